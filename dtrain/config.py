@@ -1,0 +1,447 @@
+"""Typed configuration: schema, TOML load/save, precedence and errors that name the culprit.
+
+Precedence, lowest to highest: built-in defaults < config file < environment
+(``DTRAIN_<SECTION>_<KEY>``, plus bittensor's ``BT_NETWORK``/``BT_WALLET``/
+``BT_WALLET_HOTKEY``) < command-line flags.
+
+This module is on the ``dtrain --help`` path, so it imports only the standard
+library (and tomli-w lazily, when writing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+
+class ConfigError(Exception):
+    """A configuration problem an operator must fix. The CLI prints it and exits 2.
+
+    ``source`` is the file (or ``env DTRAIN_...`` / ``--flag``) the bad value came
+    from, ``key`` the dotted key, and the message says what was expected and found.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, key: str | None = None):
+        self.source = source
+        self.key = key
+        self.detail = message
+        where = ": ".join(part for part in (source, key) if part)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+# ---------------------------------------------------------------------------
+# Schema. Field metadata carries the validation rules and the docs string, so
+# the configuration reference in docs/configuration.md is generated from here.
+# ---------------------------------------------------------------------------
+
+
+def _f(default: Any, doc: str, *, min: float | None = None, max: float | None = None,
+       choices: tuple[str, ...] | None = None, factory: bool = False) -> Any:
+    meta = {"doc": doc, "min": min, "max": max, "choices": choices}
+    if factory:
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class WalletConfig:
+    name: str = _f("default", "Coldkey wallet name (btcli's --wallet.name).")
+    hotkey: str = _f("default", "Hotkey name inside the wallet.")
+    path: str = _f("~/.bittensor/wallets", "Directory that holds bittensor wallets.")
+
+
+@dataclass
+class ChainConfig:
+    network: str = _f("finney", "finney, test, local, a ws:// or wss:// URL, or sandbox.")
+    netuid: int = _f(38, "Subnet uid.", min=0, max=65535)
+    sandbox_dir: str = _f("", "State directory of the embedded sandbox chain (network = sandbox).")
+
+
+@dataclass
+class NodeConfig:
+    role: str = _f("miner", "What this machine runs (written by dtrain init).", choices=("miner", "validator"))
+    data_dir: str = _f("~/.local/share/dtrain", "Where checkpoints, the peer identity and round records live.")
+    log_format: str = _f("text", "Plain log format when the dashboard is off.", choices=("text", "json"))
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _f("gpt2-250m", "Model preset: tiny, gpt2-124m, gpt2-250m, gpt2-500m, gpt2-1b.",
+                     choices=("tiny", "gpt2-124m", "gpt2-250m", "gpt2-500m", "gpt2-1b"))
+    hub_id: str = _f("", "Load initial weights with from_pretrained from this Hub id (empty: fresh init).")
+    run_id: str = _f("sn38", "Training run id; part of every push tag and of the data assignment.")
+    seq_len: int = _f(1024, "Tokens per training sequence.", min=8, max=65536)
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("fineweb", "fineweb (streamed from the Hub) or local (text files).",
+                     choices=("fineweb", "local"))
+    dataset: str = _f("HuggingFaceFW/fineweb", "Hub dataset id for source = fineweb.")
+    dataset_config: str = _f("sample-350BT", "Dataset configuration name.")
+    local_path: str = _f("", "Text file or directory for source = local (empty: the shipped corpus).")
+    tokenizer: str = _f("distilgpt2", "Tokenizer name or path.")
+    allow_tokenizer_fallback: bool = _f(True, "Use the shipped byte-level BPE when the tokenizer can't be loaded.")
+    page_sequences: int = _f(8, "Sequences per data page (the unit of data assignment).", min=1, max=4096)
+
+
+@dataclass
+class MinerConfig:
+    micro_batch_size: int = _f(8, "Sequences per forward/backward pass.", min=1, max=65536)
+    local_batch_size: int = _f(64, "Sequences accumulated locally before averaging.", min=1, max=1 << 24)
+    optimizer: str = _f("adamw", "Inner optimizer.", choices=("adamw", "lamb"))
+    lr: float = _f(3e-4, "Peak learning rate.", min=0.0)
+    weight_decay: float = _f(0.1, "Decoupled weight decay.", min=0.0)
+    warmup_steps: int = _f(100, "Linear warm-up steps.", min=0)
+    total_steps: int = _f(100_000, "Cosine schedule length in optimizer steps.", min=1)
+    grad_clip: float = _f(1.0, "Gradient norm clip (0 disables).", min=0.0)
+    precision: str = _f("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16.", choices=("auto", "fp32", "bf16"))
+    device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
+    checkpoint_every: int = _f(1, "Save a checkpoint every N optimizer steps.", min=1)
+    push_after_round: bool = _f(True, "Push the model to the store in the background after each round.")
+
+
+@dataclass
+class ValidatorConfig:
+    miners_per_round: int = _f(8, "Miners queried per validation round.", min=1, max=4096)
+    pages_per_query: int = _f(2, "Data pages a Train query asks a miner to train on.", min=1, max=1024)
+    recompute_fraction: float = _f(0.5, "Fraction of reported micro-batches the validator recomputes.", min=0.0, max=1.0)
+    round_interval_s: float = _f(60.0, "Seconds between validation rounds.", min=0.0)
+    ema_alpha: float = _f(0.2, "Weight of the newest score in the moving average.", min=0.0, max=1.0)
+    weight_gradient: float = _f(0.4, "Share of the gradient score in the combined score.", min=0.0)
+    weight_steps: float = _f(0.2, "Share of the steps score.", min=0.0)
+    weight_bandwidth: float = _f(0.2, "Share of the bandwidth score.", min=0.0)
+    weight_allreduce: float = _f(0.2, "Share of the all-reduce participation score.", min=0.0)
+    slice_bytes: int = _f(4 << 20, "Bytes of model state downloaded for the bandwidth check.", min=1)
+
+
+@dataclass
+class AllReduceConfig:
+    mode: str = _f("gradient", "gradient (average every step) or diloco (average pseudo-gradients).",
+                   choices=("gradient", "diloco"))
+    target_batch_size: int = _f(512, "Global sequences per optimizer step, summed over the swarm.", min=1)
+    min_group_size: int = _f(2, "Smallest group an all-reduce round accepts.", min=1, max=4096)
+    target_group_size: int = _f(32, "Largest group matchmaking assembles.", min=1, max=4096)
+    matchmaking_time: float = _f(15.0, "Seconds to gather a group.", min=0.1)
+    request_timeout: float = _f(5.0, "Seconds to wait for a matchmaking reply.", min=0.1)
+    allreduce_timeout: float = _f(120.0, "Seconds before a slow peer is banned from the round.", min=0.1)
+    compression: str = _f("none", "Wire compression.", choices=("none", "fp16", "8bit"))
+    initial_peers: list = _f(list, "Extra hivemind multiaddrs to bootstrap from (chain commitments are used too).", factory=True)
+    host_maddrs: list = _f(lambda: ["/ip4/0.0.0.0/tcp/0"], "Multiaddrs hivemind listens on.", factory=True)
+    announce_maddrs: list = _f(list, "Multiaddrs announced to peers (set your public IP here).", factory=True)
+    diloco_inner_steps: int = _f(500, "Local steps between DiLoCo outer steps.", min=1)
+    outer_lr: float = _f(0.7, "DiLoCo outer Nesterov learning rate.", min=0.0)
+    outer_momentum: float = _f(0.9, "DiLoCo outer momentum.", min=0.0, max=1.0)
+
+
+@dataclass
+class HubConfig:
+    repo: str = _f("", "Model store: hf://owner/repo, or a local directory. Empty disables pushes.")
+    push_retries: int = _f(5, "Upload attempts before giving up until the next round.", min=1, max=100)
+    backoff_s: float = _f(2.0, "First retry delay; doubles each attempt.", min=0.0)
+
+
+@dataclass
+class ApiConfig:
+    host: str = _f("0.0.0.0", "Address the miner API listens on.")
+    port: int = _f(8091, "Port the miner API listens on.", min=1, max=65535)
+    external_address: str = _f("", "host:port committed on chain (empty: host:port above).")
+    max_body_bytes: int = _f(1 << 20, "Largest request body accepted.", min=1)
+
+
+@dataclass
+class DashboardConfig:
+    enabled: bool = _f(True, "Show the live dashboard on a terminal (plain logs otherwise).")
+    refresh_hz: float = _f(4.0, "Dashboard refreshes per second.", min=0.1, max=60.0)
+
+
+@dataclass
+class Config:
+    wallet: WalletConfig = field(default_factory=WalletConfig)
+    chain: ChainConfig = field(default_factory=ChainConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    miner: MinerConfig = field(default_factory=MinerConfig)
+    validator: ValidatorConfig = field(default_factory=ValidatorConfig)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# With ``from __future__ import annotations`` field types are strings; resolve them once.
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+# bittensor's own environment variables, honoured as btcli users expect.
+BT_ENV = {"BT_NETWORK": ("chain", "network"), "BT_WALLET": ("wallet", "name"),
+          "BT_WALLET_HOTKEY": ("wallet", "hotkey")}
+
+
+def section_fields(section: str) -> dict[str, tuple[type, dataclasses.Field]]:
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+
+def env_name(section: str, key: str) -> str:
+    return f"DTRAIN_{section.upper()}_{key.upper()}"
+
+
+def default_config_path(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", str(Path.home()))) / ".config")
+    return Path(base) / "dtrain" / "config.toml"
+
+
+def resolve_config_path(flag: str | os.PathLike | None, env: Mapping[str, str] | None = None) -> tuple[Path, bool]:
+    """The config file to use and whether the operator named it explicitly.
+
+    An explicitly named file (flag or DTRAIN_CONFIG) must exist; the default
+    location may be absent, in which case the built-in defaults apply.
+    """
+    env = os.environ if env is None else env
+    if flag:
+        return Path(flag).expanduser(), True
+    if env.get("DTRAIN_CONFIG"):
+        return Path(env["DTRAIN_CONFIG"]).expanduser(), True
+    return default_config_path(env), False
+
+
+# ---------------------------------------------------------------------------
+# Value coercion and validation
+# ---------------------------------------------------------------------------
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list of strings"}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"number {value}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a table"
+    return type(value).__name__
+
+
+def _check_type(value: Any, typ: type, *, source: str, key: str) -> Any:
+    expected = _TYPE_NAMES[typ]
+    ok = (
+        (typ is bool and isinstance(value, bool))
+        or (typ is int and isinstance(value, int) and not isinstance(value, bool))
+        or (typ is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (typ is str and isinstance(value, str))
+        or (typ is list and isinstance(value, list) and all(isinstance(v, str) for v in value))
+    )
+    if not ok:
+        raise ConfigError(f"expected {expected}, found {_describe(value)}", source=source, key=key)
+    return float(value) if typ is float else value
+
+
+def _check_range(value: Any, fld: dataclasses.Field, *, source: str, key: str) -> None:
+    meta = fld.metadata
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"expected one of {', '.join(choices)}, found {_describe(value)}", source=source, key=key)
+    lo, hi = meta.get("min"), meta.get("max")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            if lo is not None and hi is not None:
+                want = f"a value from {_num(lo)} to {_num(hi)}"
+            elif lo is not None:
+                want = f"a value >= {_num(lo)}"
+            else:
+                want = f"a value <= {_num(hi)}"
+            raise ConfigError(f"expected {want}, found {_describe(value)}", source=source, key=key)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _parse_env_value(raw: str, typ: type, *, source: str, key: str) -> Any:
+    """Environment values are strings; read them as the field's type."""
+    text = raw.strip()
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(text, 0)
+        if typ is float:
+            return float(text)
+        if typ is list:
+            return [part.strip() for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"expected {_TYPE_NAMES[typ]}, found {raw!r}", source=source, key=key) from None
+    return raw
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError("file not found (create one with `dtrain init`)", source=str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError("expected a TOML file, found a directory", source=str(path)) from None
+    except PermissionError:
+        raise ConfigError("permission denied reading the file", source=str(path)) from None
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"expected UTF-8 text, found invalid byte at offset {exc.start}", source=str(path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib reports "... (at line L, column C)"; keep its wording, it names the line.
+        raise ConfigError(f"invalid TOML: {exc}", source=str(path)) from None
+
+
+def apply_mapping(cfg: Config, data: Mapping[str, Any], *, source: str) -> None:
+    """Validate a parsed TOML document against the schema and merge it into ``cfg``."""
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section{_suggest(section, list(SECTIONS))}; "
+                              f"known sections: {', '.join(SECTIONS)}", source=source, key=f"[{section}]")
+        if not isinstance(table, dict):
+            raise ConfigError(f"expected a table, found {_describe(table)}", source=source, key=section)
+        fields = section_fields(section)
+        target = getattr(cfg, section)
+        for key, value in table.items():
+            dotted = f"{section}.{key}"
+            if key not in fields:
+                raise ConfigError(f"unknown key{_suggest(key, list(fields))}", source=source, key=dotted)
+            typ, fld = fields[key]
+            value = _check_type(value, typ, source=source, key=dotted)
+            _check_range(value, fld, source=source, key=dotted)
+            setattr(target, key, value)
+
+
+def apply_env(cfg: Config, env: Mapping[str, str]) -> None:
+    for var, (section, key) in BT_ENV.items():
+        if env.get(var):
+            _set_checked(cfg, section, key, env[var], source=f"env {var}", from_string=True)
+    for section in SECTIONS:
+        for key in section_fields(section):
+            var = env_name(section, key)
+            if var in env:
+                _set_checked(cfg, section, key, env[var], source=f"env {var}", from_string=True)
+    # A misspelt DTRAIN_ variable would otherwise be ignored silently.
+    known = {env_name(s, k) for s in SECTIONS for k in section_fields(s)} | {"DTRAIN_CONFIG"}
+    for var in env:
+        if var.startswith("DTRAIN_") and var not in known and not var.startswith("DTRAIN_TEST_"):
+            raise ConfigError(f"unknown setting{_suggest(var, sorted(known))}", source=f"env {var}")
+
+
+def _set_checked(cfg: Config, section: str, key: str, value: Any, *, source: str, from_string: bool = False) -> None:
+    typ, fld = section_fields(section)[key]
+    dotted = f"{section}.{key}"
+    if from_string and isinstance(value, str):
+        value = _parse_env_value(value, typ, source=source, key=dotted)
+    value = _check_type(value, typ, source=source, key=dotted)
+    _check_range(value, fld, source=source, key=dotted)
+    setattr(getattr(cfg, section), key, value)
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
+    """Command-line flags, keyed ``section.key``; ``None`` means "flag not given"."""
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, key = dotted.split(".", 1)
+        flag = "--" + key.replace("_", "-")
+        _set_checked(cfg, section, key, value, source=f"flag {flag}")
+
+
+def load_config(path: str | os.PathLike | None = None, *, overrides: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None) -> tuple[Config, Path | None]:
+    """Build the effective configuration. Returns it with the file it read (None if none)."""
+    env = os.environ if env is None else env
+    file, explicit = resolve_config_path(path, env)
+    cfg = Config()
+    used: Path | None = None
+    if explicit or file.exists():
+        apply_mapping(cfg, read_toml(file), source=str(file))
+        used = file
+    apply_env(cfg, env)
+    apply_overrides(cfg, overrides or {})
+    check_consistency(cfg, source=str(used) if used else "configuration")
+    return cfg, used
+
+
+def check_consistency(cfg: Config, *, source: str) -> None:
+    net = cfg.chain.network
+    if net not in ("finney", "test", "local", "sandbox") and not net.startswith(("ws://", "wss://")):
+        raise ConfigError(f"expected finney, test, local, sandbox or a ws:// URL, found {net!r}",
+                          source=source, key="chain.network")
+    if cfg.allreduce.min_group_size > cfg.allreduce.target_group_size:
+        raise ConfigError(f"expected min_group_size <= target_group_size ({cfg.allreduce.target_group_size}), "
+                          f"found {cfg.allreduce.min_group_size}", source=source, key="allreduce.min_group_size")
+    if cfg.miner.micro_batch_size > cfg.miner.local_batch_size:
+        raise ConfigError(f"expected micro_batch_size <= local_batch_size ({cfg.miner.local_batch_size}), "
+                          f"found {cfg.miner.micro_batch_size}", source=source, key="miner.micro_batch_size")
+
+
+# ---------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------
+
+
+def to_toml(cfg: Config, sections: tuple[str, ...] | None = None) -> str:
+    import tomli_w
+
+    doc = cfg.to_dict()
+    if sections is not None:
+        doc = {name: doc[name] for name in sections}
+    return tomli_w.dumps(doc)
+
+
+def save_config(cfg: Config, path: Path, *, overwrite: bool = False, sections: tuple[str, ...] | None = None) -> None:
+    """Write atomically; refuse to replace an existing file unless ``overwrite``."""
+    path = Path(path).expanduser()
+    if path.exists() and not overwrite:
+        raise FileExistsError(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(to_toml(cfg, sections))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def expand(path: str) -> Path:
+    return Path(os.path.expandvars(path)).expanduser()
