@@ -1,0 +1,154 @@
+"""The ``Chain`` protocol every backend answers, and the types it speaks.
+
+Core code (miner, validator, status) is written against this protocol only, so
+the embedded sandbox and the real subtensor chain are interchangeable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+from dtrain.chain.commitment import MinerCommitment
+
+
+class ChainError(Exception):
+    """Any failure of the chain layer that a caller can act on."""
+
+
+class ChainUnavailable(ChainError):
+    """The chain could not be reached (after bounded retries)."""
+
+
+class UnknownNetwork(ChainError):
+    """The network name is none of sandbox/finney/test/local/ws(s)://."""
+
+
+class SandboxMissing(ChainError):
+    """The sandbox directory (or its database) does not exist."""
+
+
+class NotRegistered(ChainError):
+    """The hotkey has no uid on this subnet."""
+
+
+class NotPermitted(ChainError):
+    """The hotkey may not do this (e.g. set weights without a validator permit)."""
+
+
+class RateLimited(ChainError):
+    """Weights were set too recently; ``blocks_remaining`` says how long to wait."""
+
+    def __init__(self, message: str, blocks_remaining: int = 0):
+        super().__init__(message)
+        self.blocks_remaining = blocks_remaining
+
+
+@dataclass(frozen=True)
+class Neuron:
+    """One registered neuron as the core sees it (stake in TAO-like units)."""
+
+    uid: int
+    hotkey: str
+    coldkey: Optional[str]
+    stake: float
+    validator_permit: bool
+
+
+@dataclass(frozen=True)
+class WeightsStatus:
+    """What a validator needs to pace weight setting."""
+
+    block: int
+    rate_limit: Optional[int]  # blocks between sets; None when the backend cannot tell
+    last_set_block: Optional[int]  # None when never set or unknown
+
+    @property
+    def blocks_until_allowed(self) -> int:
+        if not self.rate_limit or self.last_set_block is None:
+            return 0
+        return max(0, self.last_set_block + self.rate_limit - self.block)
+
+
+@dataclass
+class ChainHealth:
+    """Outage tracking shared by the backends, read by dashboards.
+
+    Thread-safe: the miner's API thread and its main loop may both touch it.
+    """
+
+    last_ok: Optional[float] = None
+    last_error: Optional[str] = None
+    last_error_at: Optional[float] = None
+    consecutive_failures: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record_ok(self) -> None:
+        with self._lock:
+            self.last_ok = time.time()
+            self.consecutive_failures = 0
+
+    def record_error(self, error: BaseException | str) -> None:
+        with self._lock:
+            self.last_error = str(error) or type(error).__name__
+            self.last_error_at = time.time()
+            self.consecutive_failures += 1
+
+    @property
+    def ok(self) -> bool:
+        """True when the last call succeeded (or none failed yet)."""
+        return self.consecutive_failures == 0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "ok": self.consecutive_failures == 0,
+                "last_ok": self.last_ok,
+                "last_error": self.last_error,
+                "last_error_at": self.last_error_at,
+                "consecutive_failures": self.consecutive_failures,
+            }
+
+
+@runtime_checkable
+class Chain(Protocol):
+    """What the core needs from a chain. Methods are synchronous and may raise
+    :class:`ChainError` (``ChainUnavailable`` after retries are exhausted)."""
+
+    network: str
+    netuid: int
+    health: ChainHealth
+
+    def block(self) -> int:
+        """Current block number."""
+        ...
+
+    def neurons(self) -> list[Neuron]:
+        """Every registered neuron, sorted by uid."""
+        ...
+
+    def commitments(self) -> dict[str, MinerCommitment]:
+        """Each hotkey's parsed commitment; malformed ones are logged and skipped."""
+        ...
+
+    def commit(self, record: MinerCommitment) -> None:
+        """Publish this node's own commitment (signed by its hotkey)."""
+        ...
+
+    def set_weights(self, uids: Sequence[int], weights: Sequence[float]) -> None:
+        """Set this validator's weights; retried on transient failure.
+        Raises RateLimited / NotPermitted / NotRegistered without retrying."""
+        ...
+
+    def weights(self) -> dict[int, dict[int, float]]:
+        """``{validator_uid: {miner_uid: fraction}}``, rows normalised to sum 1."""
+        ...
+
+    def weights_status(self, uid: Optional[int] = None) -> WeightsStatus:
+        """Rate limit and last-set block for ``uid`` (default: this node's uid)."""
+        ...
+
+    def close(self) -> None:
+        ...
