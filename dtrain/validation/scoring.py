@@ -1,0 +1,398 @@
+"""Per-round scoring of miners: pure functions over plain dataclasses.
+
+Nothing here touches the network, the chain, torch or the clock, so every rule can be
+unit-tested and replayed. The formulas and the reasons behind them are written up in
+``docs/scoring.md``; keep the two in step.
+
+Flow for one validation round::
+
+    inputs: dict[uid, MinerRoundInput]
+        -> score_round(inputs, config)      -> dict[uid, RoundScore]   (components + combined)
+        -> update_ema(state, combined, hotkeys, alpha) -> EmaState     (per-uid smoothing)
+        -> dtrain.validation.weights.compute_weights(ema)              (normalised weights)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+
+class RoundStatus(str, enum.Enum):
+    """Outcome of one miner in one all-reduce round (exactly one per miner)."""
+
+    SUCCESS = "SUCCESS"
+    FAIL = "FAIL"
+    NON_PARTICIPATING = "NON_PARTICIPATING"
+    NOT_ALIVE = "NOT_ALIVE"
+    WRONG_MODEL = "WRONG_MODEL"
+
+    @classmethod
+    def coerce(cls, value: "RoundStatus | str | enum.Enum") -> "RoundStatus":
+        """Accept our enum, its string value, or another enum with the same names.
+
+        The swarm package records outcomes with its own type; accepting anything whose
+        name/value spells a status keeps scoring independent of it.
+        """
+        if isinstance(value, cls):
+            return value
+        raw = value.value if isinstance(value, enum.Enum) else value
+        if isinstance(value, enum.Enum) and not isinstance(raw, str):
+            raw = value.name
+        try:
+            return cls(str(raw).upper())
+        except ValueError:
+            raise ValueError(
+                f"unknown all-reduce status {value!r}; expected one of {[s.value for s in cls]}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class MicroBatchCheck:
+    """Validator recomputation of one micro-batch the miner reported.
+
+    ``passed`` is the training package's verdict (fingerprint and loss within its
+    tolerances); ``similarity`` is the fingerprint similarity in [-1, 1];
+    ``loss_rel_err`` is |loss_miner - loss_validator| / |loss_validator|.
+    """
+
+    passed: bool
+    similarity: float
+    loss_rel_err: float
+
+
+@dataclass(frozen=True)
+class TrainCheck:
+    """Result of the Train query for one miner in one round.
+
+    ``claimed_samples``: samples the miner reported for the challenge window (this is also
+    the averaging weight it asks for). ``verified_samples``: samples the validator can back
+    with verification for the same window (e.g. samples of the returned micro-batches whose
+    recomputed subset passed).
+    """
+
+    checks: Sequence[MicroBatchCheck]
+    claimed_samples: int
+    verified_samples: int
+
+
+@dataclass(frozen=True)
+class AllReduceObservation:
+    """What the validator saw of one miner in the all-reduce round it started.
+
+    ``throughput_bps``: the miner's bytes/s in the round (from the round record), or None
+    when the record has no figure for it.
+    """
+
+    status: RoundStatus | str
+    throughput_bps: float | None = None
+
+
+@dataclass(frozen=True)
+class MinerRoundInput:
+    """Everything measured about one miner in one validation round.
+
+    A field left as None means "not measured this round" (the miner was not selected for
+    that query); it is left out of the weighted sum instead of counting as 0. A transfer
+    that was attempted and failed must be given as 0.0, not None.
+    """
+
+    train: TrainCheck | None = None
+    allreduce: AllReduceObservation | None = None
+    state_slice_bps: float | None = None
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """Constants of the scoring formulas (see docs/scoring.md for each)."""
+
+    w_gradient: float = 0.30
+    w_steps: float = 0.35
+    w_bandwidth: float = 0.20
+    w_participation: float = 0.15
+    # exp(-loss_rel_err / loss_rel_scale) discounts loss disagreement inside a passing check.
+    loss_rel_scale: float = 0.10
+    # claimed_samples may exceed verified_samples by at most this factor before the miner
+    # is treated as inflating its weight (gated to 0).
+    max_claim_ratio: float = 1.10
+    # Steps are normalised by max(best credited samples this round, steps_reference).
+    steps_reference: float = 0.0
+    # Throughput at or below this (bytes/s) scores 0; the log scale starts here.
+    bandwidth_floor_bps: float = 125_000.0  # 1 Mbit/s
+    # EMA smoothing factor: ema <- (1 - alpha) * ema + alpha * combined.
+    ema_alpha: float = 0.10
+
+    def __post_init__(self) -> None:
+        ws = (self.w_gradient, self.w_steps, self.w_bandwidth, self.w_participation)
+        if any(w < 0 or not math.isfinite(w) for w in ws) or sum(ws) <= 0:
+            raise ValueError(f"component weights must be finite, >= 0 and not all 0, got {ws}")
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.loss_rel_scale <= 0 or self.bandwidth_floor_bps <= 0 or self.max_claim_ratio < 1:
+            raise ValueError("loss_rel_scale and bandwidth_floor_bps must be > 0, max_claim_ratio >= 1")
+
+
+# Reasons a round score was gated to 0; stable strings, shown by `dtrain status`.
+GATE_NO_CHECKS = "no_verified_batches"
+GATE_VERIFY_FAILED = "verification_failed"
+GATE_INFLATED_CLAIM = "inflated_claim"
+GATE_WRONG_MODEL = "wrong_model"
+GATE_NO_PARTICIPATION = "no_participation"
+
+
+@dataclass(frozen=True)
+class RoundScore:
+    """Component scores in [0, 1] (None = not measured) and the gated combination.
+
+    ``combined`` is None when the round says nothing either way about the miner (no Train
+    check and no failure seen): its EMA is then left unchanged.
+    """
+
+    gradient: float | None
+    steps: float | None
+    bandwidth: float | None
+    participation: float | None
+    combined: float | None
+    gated: tuple[str, ...] = field(default_factory=tuple)
+    credited_samples: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "gradient": self.gradient,
+            "steps": self.steps,
+            "bandwidth": self.bandwidth,
+            "participation": self.participation,
+            "combined": self.combined,
+            "gated": list(self.gated),
+            "credited_samples": self.credited_samples,
+        }
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def gradient_score(train: TrainCheck, cfg: ScoringConfig = ScoringConfig()) -> float:
+    """Agreement of the miner's reports with recomputation, in [0, 1].
+
+    0 when nothing was recomputed or when any recomputed micro-batch failed: one forged
+    micro-batch makes the whole report untrustworthy, so a cheater gets no partial credit.
+    Otherwise the mean over checks of clamp(similarity, 0, 1) * exp(-loss_rel_err / scale).
+    """
+    if not train.checks:
+        return 0.0
+    total = 0.0
+    for c in train.checks:
+        if not c.passed or not _finite(c.similarity) or not _finite(c.loss_rel_err):
+            return 0.0
+        total += min(1.0, max(0.0, c.similarity)) * math.exp(-abs(c.loss_rel_err) / cfg.loss_rel_scale)
+    return total / len(train.checks)
+
+
+def credited_samples(train: TrainCheck | None, verified_ok: bool) -> int:
+    """Samples that count for the steps score: verified ones, and only if verification passed."""
+    if train is None or not verified_ok:
+        return 0
+    return max(0, int(train.verified_samples))
+
+
+def claim_inflated(train: TrainCheck, cfg: ScoringConfig = ScoringConfig()) -> bool:
+    """True when the miner claims more samples than verification backs (beyond tolerance)."""
+    verified = max(0, int(train.verified_samples))
+    claimed = max(0, int(train.claimed_samples))
+    return claimed > cfg.max_claim_ratio * verified
+
+
+def log_throughput_score(bps: float | None, best_bps: float, floor_bps: float) -> float:
+    """log(bps / floor) / log(best / floor), clamped to [0, 1]; 0 at or below the floor.
+
+    The log keeps a data-centre link from dwarfing a good home link: each doubling of
+    throughput adds the same amount of score.
+    """
+    if bps is None or not _finite(bps) or bps <= floor_bps:
+        return 0.0
+    best = max(best_bps, bps)
+    if best <= floor_bps:
+        return 0.0
+    return min(1.0, math.log(bps / floor_bps) / math.log(best / floor_bps))
+
+
+def participation_score(status: RoundStatus | str) -> float:
+    """1 for SUCCESS, 0 for FAIL / NON_PARTICIPATING / NOT_ALIVE / WRONG_MODEL."""
+    return 1.0 if RoundStatus.coerce(status) is RoundStatus.SUCCESS else 0.0
+
+
+def score_round(
+    inputs: Mapping[int, MinerRoundInput], cfg: ScoringConfig = ScoringConfig()
+) -> dict[int, RoundScore]:
+    """Score every miner of one validation round.
+
+    Normalisations (steps, bandwidth) are relative to the best miner of this round, which
+    is why this takes all miners at once.
+    """
+    status: dict[int, RoundStatus | None] = {}
+    grad: dict[int, float | None] = {}
+    gates: dict[int, list[str]] = {}
+    credited: dict[int, int] = {}
+
+    for uid, inp in inputs.items():
+        g_list: list[str] = []
+        st = RoundStatus.coerce(inp.allreduce.status) if inp.allreduce is not None else None
+        status[uid] = st
+        g: float | None = None
+        verified_ok = False
+        if inp.train is not None:
+            g = gradient_score(inp.train, cfg)
+            if not inp.train.checks:
+                g_list.append(GATE_NO_CHECKS)
+            elif g <= 0.0:
+                g_list.append(GATE_VERIFY_FAILED)
+            elif claim_inflated(inp.train, cfg):
+                g_list.append(GATE_INFLATED_CLAIM)
+            else:
+                verified_ok = True
+        if st is RoundStatus.WRONG_MODEL:
+            # Recomputation was done against *our* model; a peer on another model cannot
+            # have produced gradients we can trust, whatever the Train checks said.
+            g = 0.0 if inp.train is not None else g
+            verified_ok = False
+            g_list.append(GATE_WRONG_MODEL)
+        elif st is not None and st is not RoundStatus.SUCCESS:
+            g_list.append(GATE_NO_PARTICIPATION)
+        grad[uid] = g
+        gates[uid] = g_list
+        credited[uid] = credited_samples(inp.train, verified_ok)
+
+    best_steps = max([float(c) for c in credited.values()] + [cfg.steps_reference, 0.0])
+    best_slice = max(
+        [i.state_slice_bps for i in inputs.values() if i.state_slice_bps is not None and _finite(i.state_slice_bps)]
+        + [0.0]
+    )
+    best_ar = max(
+        [
+            i.allreduce.throughput_bps
+            for i in inputs.values()
+            if i.allreduce is not None and i.allreduce.throughput_bps is not None and _finite(i.allreduce.throughput_bps)
+        ]
+        + [0.0]
+    )
+
+    out: dict[int, RoundScore] = {}
+    for uid, inp in inputs.items():
+        st = status[uid]
+        steps = None
+        if inp.train is not None:
+            steps = credited[uid] / best_steps if best_steps > 0 else 0.0
+        bw_parts: list[float] = []
+        if inp.state_slice_bps is not None:
+            bw_parts.append(log_throughput_score(inp.state_slice_bps, best_slice, cfg.bandwidth_floor_bps))
+        if inp.allreduce is not None:
+            # A miner that did not complete the round moved no averaged data: 0, whatever
+            # figure the record holds for it.
+            ar_bps = inp.allreduce.throughput_bps if st is RoundStatus.SUCCESS else 0.0
+            if ar_bps is not None:
+                bw_parts.append(log_throughput_score(ar_bps, best_ar, cfg.bandwidth_floor_bps))
+        bandwidth = sum(bw_parts) / len(bw_parts) if bw_parts else None
+        participation = participation_score(st) if st is not None else None
+
+        combined: float | None
+        if gates[uid]:
+            combined = 0.0
+        elif inp.train is None:
+            # Positive credit needs a passing Train verification in the same round; without
+            # one a lazy miner would earn on bandwidth alone in rounds it was not checked.
+            # Negative evidence (the gates above) still counts, so this is "no update".
+            combined = None
+        else:
+            combined = combine(grad[uid], steps, bandwidth, participation, cfg)
+        out[uid] = RoundScore(
+            gradient=grad[uid],
+            steps=steps,
+            bandwidth=bandwidth,
+            participation=participation,
+            combined=combined,
+            gated=tuple(gates[uid]),
+            credited_samples=credited[uid],
+        )
+    return out
+
+
+def combine(
+    gradient: float | None,
+    steps: float | None,
+    bandwidth: float | None,
+    participation: float | None,
+    cfg: ScoringConfig = ScoringConfig(),
+) -> float:
+    """Weighted mean of the measured components (weights renormalised over those present).
+
+    The gates are applied by ``score_round``; this is only the arithmetic. Returns 0 when
+    nothing was measured.
+    """
+    pairs = [
+        (cfg.w_gradient, gradient),
+        (cfg.w_steps, steps),
+        (cfg.w_bandwidth, bandwidth),
+        (cfg.w_participation, participation),
+    ]
+    present = [(w, v) for w, v in pairs if v is not None]
+    wsum = sum(w for w, _ in present)
+    if wsum <= 0:
+        return 0.0
+    value = sum(w * min(1.0, max(0.0, v)) for w, v in present) / wsum
+    return min(1.0, max(0.0, value))
+
+
+@dataclass
+class EmaState:
+    """Smoothed score and owning hotkey per uid."""
+
+    scores: dict[int, float] = field(default_factory=dict)
+    hotkeys: dict[int, str] = field(default_factory=dict)
+
+
+def update_ema(
+    state: EmaState,
+    round_scores: Mapping[int, float],
+    hotkeys: Mapping[int, str],
+    alpha: float = ScoringConfig.ema_alpha,
+) -> EmaState:
+    """One EMA step; returns a new state, the input is not modified.
+
+    - ``hotkeys`` is the current registration (uid -> hotkey). uids missing from it were
+      deregistered and are dropped, scored or not.
+    - A uid whose hotkey changed is reset to 0 before the update: a new owner must not
+      inherit the previous owner's reputation.
+    - A new uid starts from 0, so re-registering gives no head start.
+    - A registered uid without a score this round keeps its value (it was not queried;
+      an unreachable miner is scored NOT_ALIVE -> 0 by the caller instead).
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    new_scores: dict[int, float] = {}
+    new_hotkeys: dict[int, str] = {}
+    for uid, hk in hotkeys.items():
+        prev = state.scores.get(uid, 0.0)
+        if state.hotkeys.get(uid) != hk:
+            prev = 0.0
+        if uid in round_scores:
+            x = round_scores[uid]
+            x = min(1.0, max(0.0, x)) if _finite(x) else 0.0
+            new_scores[uid] = (1.0 - alpha) * prev + alpha * x
+        else:
+            new_scores[uid] = prev
+        new_hotkeys[uid] = hk
+    return EmaState(scores=new_scores, hotkeys=new_hotkeys)
+
+
+def combined_scores(scores: Mapping[int, RoundScore]) -> dict[int, float]:
+    """uid -> combined score for the uids the round scored, the input of ``update_ema``."""
+    return {uid: s.combined for uid, s in scores.items() if s.combined is not None}
+
+
+def miners_only(uids: Iterable[int], validator_uids: Iterable[int]) -> list[int]:
+    """uids minus the validators' (validators are never rewarded as miners)."""
+    v = set(validator_uids)
+    return [u for u in uids if u not in v]
