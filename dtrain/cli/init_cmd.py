@@ -67,8 +67,7 @@ def init(
 
 
 def _prompt(cfg: Config) -> None:
-    cfg.node.role = typer.prompt("Role (miner/validator)", default=cfg.node.role,
-                                 type=_choice(ROLES))
+    cfg.node.role = _prompt_choice("Role (miner/validator)", ROLES, cfg.node.role)
     cfg.chain.network = typer.prompt("Network (finney/test/local/ws://.../sandbox)", default=cfg.chain.network)
     cfg.chain.netuid = typer.prompt("Netuid", default=cfg.chain.netuid, type=int)
     cfg.wallet.name = typer.prompt("Wallet name", default=cfg.wallet.name)
@@ -82,7 +81,9 @@ def _prompt(cfg: Config) -> None:
                           "chain.netuid": cfg.chain.netuid, "api.port": cfg.api.port})
 
 
-def _choice(choices: tuple[str, ...]):
-    import click
-
-    return click.Choice(choices)
+def _prompt_choice(text: str, choices: tuple[str, ...], default: str) -> str:
+    while True:
+        answer = typer.prompt(text, default=default).strip()
+        if answer in choices:
+            return answer
+        err(f"expected one of {', '.join(choices)}, found {answer!r}")

@@ -1,0 +1,1 @@
+complete --command dtrain --no-files --arguments "(env _DTRAIN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) dtrain)" --condition "env _DTRAIN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) dtrain"

@@ -1,0 +1,31 @@
+"""Shared fixtures. Tests run real parts: real processes, real sockets, real files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_dtrain(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 120,
+               input: str | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter, as an operator would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dtrain", *args], env=full_env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, input=input)
+
+
+@pytest.fixture
+def clean_env(tmp_path, monkeypatch):
+    """No operator config or DTRAIN_/BT_ variables leak in from the machine running the tests."""
+    for var in list(os.environ):
+        if var.startswith(("DTRAIN_", "BT_")):
+            monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path
