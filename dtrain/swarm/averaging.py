@@ -1,0 +1,583 @@
+"""Gradient averaging over hivemind's butterfly all-reduce, with dtrain's robustness rules.
+
+Transport, matchmaking and the butterfly itself are hivemind's (DecentralizedAverager /
+AllReduceRunner / TensorPartReducer). dtrain subclasses them only where the protocol needs
+a rule hivemind does not have:
+
+* Model check (WRONG_MODEL). Every peer puts ``{fingerprint, schema}`` in its matchmaking
+  gather data. All peers use one constant matchmaking schema hash, so a peer with a
+  different model still *joins* (and can be reported) but each honest peer then marks it
+  as auxiliary with a zero share: it owns no part, and its part RPCs are refused
+  (hivemind answers PROTOCOL_VIOLATION to a non-sender). The partition is a pure function
+  of the gathered data, so all peers that agree on the model compute the same one.
+* Weight cap. hivemind lets each sender state its own weight on every message. dtrain's
+  reducer ignores the wire weight and uses ``min(claimed_weight_from_gather, cap)``, with
+  ``cap`` the *reducing* peer's own limit: a peer claiming a huge weight cannot dominate
+  the parts others reduce.
+* Non-finite values. The reducer rejects a part containing NaN/Inf, bans that sender from
+  the rest of the round (FAIL) and never adds its values. Averaged parts coming back from
+  a reducer are checked too; a non-finite result makes us keep our LOCAL values for that
+  peer's share (FAIL).
+* Failures keep local values. A reducer that drops out or times out leaves its share at
+  our local values (hivemind's ``register_failed_reducer``); a sender that is too slow
+  (``sender_timeout``) or dies is banned by hivemind and the rest is averaged without it.
+
+Each round yields a :class:`~dtrain.swarm.records.RoundRecord` from this peer's view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from dtrain.swarm import compat
+from dtrain.swarm.records import Outcome, PeerResult, RoundLog, RoundRecord
+
+compat.apply()
+
+from hivemind.averaging import DecentralizedAverager  # noqa: E402  (after the shim, on purpose)
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode  # noqa: E402
+from hivemind.averaging.group_info import GroupInfo  # noqa: E402
+from hivemind.averaging.matchmaking import MatchmakingException  # noqa: E402
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer  # noqa: E402
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously  # noqa: E402
+from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+GATHER_VERSION = 1
+
+
+@dataclass
+class AveragingConfig:
+    """Knobs of one averaging swarm (the lead maps the TOML ``[swarm]`` table onto this)."""
+
+    prefix: str = "dtrain"  # run namespace; peers of one run must share it
+    min_group_size: int = 2
+    target_group_size: Optional[int] = 16
+    min_matchmaking_time_s: float = 5.0
+    request_timeout_s: float = 3.0
+    allreduce_timeout_s: float = 120.0
+    sender_timeout_s: Optional[float] = 10.0  # a sender silent this long between parts is banned
+    reducer_timeout_s: Optional[float] = None  # default 2 x sender timeout
+    matchmaking_timeout_s: float = 30.0  # give up looking for a group after this long
+    compression: str = "none"  # none | fp16 | 8bit | 8bit-quantile
+    part_size_bytes: int = 2**19
+    bandwidth: Optional[float] = None  # MB/s hint for load balancing; None = "same as others"
+    client_mode: Optional[bool] = None  # None: follow the DHT
+    allow_state_sharing: bool = True
+    declare_state_period_s: float = 30.0
+    log_path: Optional[str] = None  # JSON lines of RoundRecords
+
+
+@dataclass
+class FaultInjection:
+    """Deliberate misbehaviour for tests and ``dtrain sandbox --adversary``. Never enabled by config."""
+
+    send_delay_s: float = 0.0  # sleep before each part sent to another reducer (a slow peer)
+    send_nonfinite: bool = False  # send NaN/Inf instead of our values (a broken/cheating peer)
+
+
+def schema_hash(tensors: Sequence[torch.Tensor]) -> str:
+    """Shapes and dtypes of the averaged tensors, in order (not values)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:32]
+
+
+def model_fingerprint(named_shapes: Sequence[tuple[str, Sequence[int]]], extra: str = "") -> str:
+    """A default fingerprint from parameter names and shapes (callers may pass their own string)."""
+    h = hashlib.sha256(extra.encode())
+    for name, shape in named_shapes:
+        h.update(f"{name}:{tuple(shape)};".encode())
+    return h.hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------------------------
+# hivemind subclasses (run inside the averager's background process)
+# --------------------------------------------------------------------------------------------
+
+
+class _CappedFiniteReducer(TensorPartReducer):
+    """TensorPartReducer with receiver-side weights and a finiteness check.
+
+    ``sender_weights`` are fixed at group formation (already capped); the weight a sender puts
+    on the wire is ignored. A non-finite part bans its sender from this part onward.
+    """
+
+    def __init__(self, part_shapes, num_senders: int, sender_weights: Sequence[float]):
+        self.sender_weights = [float(w) for w in sender_weights]
+        self.rejected: set[int] = set()
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        # unweighted running sum: used only if every contributor of a part has weight 0
+        # (e.g. only validators left), where the weighted mean would be 0/0
+        if not self.finished.is_set():
+            self.plain_sum = torch.zeros(self.part_shapes[self.current_part_index])
+
+    async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
+        """Same contract as hivemind's: add a part, wait for the others, return the average part.
+
+        Differences: ``weight`` from the wire is ignored (capped gathered weight is used), a
+        non-finite part bans its sender instead of being added, and an unweighted sum is kept.
+        """
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        while part_index > self.current_part_index:
+            # parts are reduced in order: wait until the previous ones are done
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        if not bool(torch.isfinite(tensor_part).all()):
+            # not counted as received: the ban takes effect from this very part
+            self.rejected.add(sender_index)
+            self.on_sender_failed(sender_index)
+            raise BannedException(f"sender {sender_index} sent non-finite values")
+        self.num_parts_received[sender_index] += 1
+        current_part_future = self.current_part_future
+        w = self.sender_weights[sender_index]
+        self.accumulator.add_(tensor_part, alpha=w)
+        self.plain_sum.add_(tensor_part)
+        self.current_part_accumulated_from += 1
+        self.denominator += w
+        self.check_current_part_finished()
+        return await current_part_future
+
+    def on_sender_failed(self, sender_index: int):
+        # idempotent: hivemind may ban the same sender again from another code path, and a
+        # second call would decrement the current part's sender count twice
+        if self.sender_failed_after[sender_index] != float("inf"):
+            return
+        super().on_sender_failed(sender_index)
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            if self.denominator > 0:
+                result = self.accumulator.div_(self.denominator)
+            elif self.current_part_accumulated_from > 0:
+                result = self.plain_sum.div_(self.current_part_accumulated_from)
+            else:
+                # nobody contributed: NaN makes every receiver keep its local values for this part
+                result = torch.full_like(self.accumulator, float("nan"))
+            self.current_part_future.set_result(result)
+            self.reset_accumulators()
+
+
+
+class _DtrainRunner(AllReduceRunner):
+    """AllReduceRunner that records per-peer outcomes and bytes, validates results, injects faults."""
+
+    def __init__(self, *, sender_weights: Sequence[float], fault: Optional[FaultInjection], **kwargs):
+        super().__init__(**kwargs)
+        self.fault = fault or FaultInjection()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.failed_reducers: dict[Any, str] = {}
+        # swap hivemind's reducer for ours (same shapes); retire the old one quietly
+        old = self.tensor_part_reducer
+        old.finished.set()
+        old.current_part_future.cancel()
+        self.tensor_part_reducer = _CappedFiniteReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), sender_weights
+        )
+        container = self.tensor_part_container
+        register = container.register_processed_part
+
+        def register_checked(peer_index: int, part_index: int, part: torch.Tensor):
+            # an averaged part (delta) that is not finite is never applied; raising here makes
+            # hivemind's _communicate_with_peer fall back to local values for that reducer's share
+            if not bool(torch.isfinite(part).all()):
+                raise AllreduceException(f"reducer #{peer_index} returned non-finite values")
+            return register(peer_index, part_index, part)
+
+        container.register_processed_part = register_checked
+
+    # -- client side -------------------------------------------------------------------
+    async def _communicate_with_peer(self, peer_id):
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except BaseException as e:
+            if peer_id != self.peer_id:
+                self.failed_reducers.setdefault(peer_id, repr(e)[:200] or type(e).__name__)
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        async for msg in super()._generate_input_for_peer(peer_index):
+            if self.fault.send_delay_s > 0:
+                await asyncio.sleep(self.fault.send_delay_s)
+            if self.fault.send_nonfinite:
+                part = deserialize_torch_tensor(msg.tensor_part)
+                bad = torch.full_like(part, float("nan"))
+                bad.view(-1)[::2] = float("inf")
+                msg.tensor_part.CopyFrom(serialize_torch_tensor(bad, msg.tensor_part.compression))
+            self.bytes_sent += msg.ByteSize()
+            yield msg
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    # -- server side ---------------------------------------------------------------------
+    async def rpc_aggregate_part(self, stream, context):
+        async def counted():
+            async for msg in stream:
+                self.bytes_received += msg.ByteSize()
+                yield msg
+
+        async for reply in super().rpc_aggregate_part(counted(), context):
+            self.bytes_sent += reply.ByteSize()
+            yield reply
+
+
+class _CountingStub:
+    """Wraps a hivemind stub to count the bytes of averaged parts we receive back."""
+
+    def __init__(self, stub, runner: _DtrainRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs):
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        runner = self._runner
+
+        async def counted():
+            async for msg in stream:
+                runner.bytes_received += msg.ByteSize()
+                yield msg
+
+        return counted()
+
+
+class _DtrainAverager(DecentralizedAverager):
+    """DecentralizedAverager whose group step applies dtrain's model check, cap and accounting."""
+
+    def __init__(self, averaged_tensors, dht, *, fault=None, state_provider=None, **kwargs):
+        self._fault = fault
+        self._state_provider = state_provider
+        start = kwargs.pop("start", False)
+        super().__init__(averaged_tensors, dht, start=False, **kwargs)
+        # One matchmaking schema for the whole run: peers with another model must be able to
+        # join so they can be *reported* (WRONG_MODEL); the real check uses gathered data.
+        # Set before the background process forks, since Matchmaking is built there.
+        self.schema_hash = hashlib.sha256(f"dtrain-swarm:{self.prefix}".encode()).digest()
+        if start:
+            self.run_in_background(await_ready=True)
+
+    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        # hivemind sets SIGINT to SIG_IGN in the *calling* process so the forked child ignores
+        # Ctrl-C, and never restores it: the neuron would then ignore Ctrl-C. It also fails
+        # outside the main thread. Ignore only around the fork, then restore the old handler.
+        import signal
+        import threading
+
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if in_main else None
+        if in_main:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.start()
+        finally:
+            if in_main and previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def get_current_state(self):
+        if self._state_provider is None:
+            return super().get_current_state()
+        metadata, tensors = self._state_provider()
+        return metadata, list(tensors), None
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        try:
+            weight = kwargs.pop("weight", None)
+            del weight  # per-sender weights come from gathered data, capped by us (below)
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            users = [self.serializer.loads(b) for b in user_bytes]
+            me = group_info.peer_ids.index(self.peer_id)
+            mine = users[me]
+            cap = float(mine["cap"])
+            modes, claimed, used, compatible = [], [], [], []
+            for i, (user, mode_id) in enumerate(zip(users, mode_ids)):
+                ok = (
+                    isinstance(user, dict)
+                    and user.get("v") == GATHER_VERSION
+                    and user.get("fp") == mine["fp"]
+                    and user.get("schema") == mine["schema"]
+                )
+                compatible.append(ok)
+                w = user.get("w", 0.0) if isinstance(user, dict) else 0.0
+                w = float(w) if isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 else 0.0
+                claimed.append(w)
+                used.append(min(w, cap) if ok else 0.0)
+                modes.append(AveragingMode(mode_id) if ok else AveragingMode.AUX)
+            download_bandwidths = [
+                (bw if mode == AveragingMode.NODE else 0.0) for bw, mode in zip(bandwidths, modes)
+            ]
+            peer_fractions = await asyncio.get_event_loop().run_in_executor(
+                None, compat.load_balance, self.total_size, download_bandwidths, min_vector_size
+            )
+            sender_weights = [w for w, mode in zip(used, modes) if mode != AveragingMode.AUX]
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                runner = _DtrainRunner(
+                    p2p=self._p2p,
+                    servicer_type=type(self),
+                    prefix=self.prefix,
+                    tensors=local_tensors,
+                    group_id=group_info.group_id,
+                    ordered_peer_ids=group_info.peer_ids,
+                    peer_fractions=peer_fractions,
+                    modes=modes,
+                    weight=used[me],
+                    sender_weights=sender_weights,
+                    fault=self._fault,
+                    **kwargs,
+                )
+                assert group_info.group_id in self._running_groups
+                self._running_groups[group_info.group_id].set_result(runner)
+                if modes[me] != AveragingMode.AUX:
+                    async for tensor, update in azip(as_aiter(*local_tensors), runner):
+                        tensor.add_(update, alpha=self._averaging_alpha)
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()
+                else:
+                    async for _ in runner:
+                        raise ValueError("auxiliary peers should not receive averaged tensors")
+            return dict(gathered=None, report=self._report(group_info, runner, modes, compatible, claimed, used))
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug("dtrain all-reduce failed: %r", e, exc_info=True)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e!r}")
+
+    def _report(self, group_info, runner: _DtrainRunner, modes, compatible, claimed, used) -> dict:
+        reducer = runner.tensor_part_reducer
+        rejected = {runner.sender_peer_ids[i] for i in reducer.rejected}
+        peers = []
+        for i, peer in enumerate(group_info.peer_ids):
+            reason = ""
+            if not compatible[i]:
+                outcome = Outcome.WRONG_MODEL
+                reason = "model fingerprint or tensor schema differs"
+            elif peer == self.peer_id:
+                outcome = Outcome.SUCCESS
+            elif peer in rejected:
+                outcome, reason = Outcome.FAIL, "sent non-finite values"
+            elif peer in runner.banned_senders:
+                outcome, reason = Outcome.FAIL, "banned as sender (timeout, disconnect or protocol error)"
+            elif peer in runner.failed_reducers:
+                outcome, reason = Outcome.FAIL, "did not deliver its averaged part: " + runner.failed_reducers[peer]
+            else:
+                outcome = Outcome.SUCCESS
+            peers.append(
+                dict(
+                    peer_id=str(peer),
+                    outcome=outcome.value,
+                    weight_claimed=claimed[i],
+                    weight_used=0.0 if outcome != Outcome.SUCCESS else used[i],
+                    reason=reason,
+                )
+            )
+        container = runner.tensor_part_container
+        total = max(container.total_size, 1)
+        return dict(
+            round_id=group_info.group_id.hex(),
+            group=[str(p) for p in group_info.peer_ids],
+            peers=peers,
+            bytes_sent=int(runner.bytes_sent),
+            bytes_received=int(runner.bytes_received),
+            fraction_averaged=(1.0 - container.failed_size / total) if modes[group_info.peer_ids.index(self.peer_id)]
+            != AveragingMode.AUX else 0.0,
+            total_weight=float(sum(p["weight_used"] for p in peers)),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# caller-facing API (runs in the neuron's process)
+# --------------------------------------------------------------------------------------------
+
+
+class GradientSwarm:
+    """One averaging participant. Create once per model; call :meth:`run_round` per global step.
+
+    ``templates`` fixes the order, shapes and dtypes of the tensors every round averages
+    (e.g. ``[p.grad for p in model.parameters()]`` or zeros shaped like them).
+    ``state_provider`` (optional) returns ``(metadata, tensors)`` for peers catching up.
+    """
+
+    def __init__(
+        self,
+        dht,
+        templates: Sequence[torch.Tensor],
+        fingerprint: str,
+        config: Optional[AveragingConfig] = None,
+        *,
+        state_provider: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
+        fault: Optional[FaultInjection] = None,
+        mode: str = "gradient",
+    ):
+        self.dht = dht
+        self.config = config or AveragingConfig()
+        self.fingerprint = str(fingerprint)
+        self.mode = mode
+        self._buffers = [torch.zeros_like(t, device="cpu").float() for t in templates]
+        self._schema = schema_hash(self._buffers)
+        self._fault = fault
+        self._log = RoundLog(self.config.log_path) if self.config.log_path else None
+        self.records: list[RoundRecord] = []
+        cfg = self.config
+        self._averager = _DtrainAverager(
+            self._buffers,
+            dht,
+            fault=fault,
+            state_provider=state_provider,
+            start=True,
+            prefix=cfg.prefix,
+            target_group_size=cfg.target_group_size,
+            min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.min_matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            sender_timeout=cfg.sender_timeout_s,
+            reducer_timeout=cfg.reducer_timeout_s,
+            next_chunk_timeout=cfg.sender_timeout_s,
+            compression=compat.make_compression(cfg.compression),
+            part_size_bytes=cfg.part_size_bytes,
+            bandwidth=cfg.bandwidth,
+            client_mode=cfg.client_mode,
+            allow_state_sharing=cfg.allow_state_sharing if not cfg.client_mode else False,
+            declare_state_period=cfg.declare_state_period_s,
+        )
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    def run_round(
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        cap: float,
+        *,
+        expected_peers: Sequence[str] = (),
+        tokens: int = 0,
+        timeout_s: Optional[float] = None,
+    ) -> RoundRecord:
+        """Average ``tensors`` in place with whoever matchmakes; return this peer's RoundRecord.
+
+        ``weight`` is the number of samples accumulated (0 for a validator), ``cap`` the largest
+        weight this peer accepts from anyone. On failure to form a group the tensors keep their
+        local values and the record carries ``error``. ``expected_peers`` (peer ids) that did
+        not join are reported NON_PARTICIPATING or NOT_ALIVE.
+        """
+        if len(tensors) != len(self._buffers):
+            raise ValueError(f"expected {len(self._buffers)} tensors, got {len(tensors)}")
+        for i, (t, b) in enumerate(zip(tensors, self._buffers)):
+            if tuple(t.shape) != tuple(b.shape):
+                raise ValueError(f"tensor #{i} has shape {tuple(t.shape)}, expected {tuple(b.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                # an honest peer never ships NaN/Inf; refuse locally instead of being banned remotely
+                raise ValueError(f"tensor #{i} has non-finite values; skip this round or fix the step")
+        if not (math.isfinite(weight) and weight >= 0 and math.isfinite(cap) and cap >= 0):
+            raise ValueError("weight and cap must be finite and >= 0")
+        cfg = self.config
+        with self._averager.get_tensors() as bufs:
+            for b, t in zip(bufs, tensors):
+                b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
+        gather = dict(v=GATHER_VERSION, fp=self.fingerprint, schema=self._schema, w=float(weight), cap=float(cap))
+        started = time.time()
+        t0 = time.monotonic()
+        result, error = None, ""
+        try:
+            result = self._averager.step(
+                gather=gather,
+                weight=float(min(weight, cap)),
+                timeout=timeout_s if timeout_s is not None else cfg.matchmaking_timeout_s,
+                allow_retries=True,
+            )
+            if result is None:
+                error = "no group formed"
+        except Exception as e:  # hivemind surfaces matchmaking failures as various exception types
+            error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
+        duration = time.monotonic() - t0
+        numel = sum(b.numel() for b in self._buffers)
+        record = RoundRecord(
+            round_id="",
+            local_peer_id=self.peer_id,
+            started_at=started,
+            duration_s=duration,
+            num_elements=numel,
+            model_fingerprint=self.fingerprint,
+            compression=cfg.compression,
+            mode=self.mode,
+            tokens=int(tokens),
+        )
+        if error or not isinstance(result, dict) or "report" not in result:
+            record.error = error or "averager returned no report"
+            record.group = [self.peer_id]
+            record.peers = [PeerResult(self.peer_id, Outcome.FAIL, float(weight), 0.0, record.error)]
+        else:
+            rep = result["report"]
+            record.round_id = rep["round_id"]
+            record.group = list(rep["group"])
+            record.peers = [PeerResult.from_dict(p) for p in rep["peers"]]
+            record.bytes_sent = rep["bytes_sent"]
+            record.bytes_received = rep["bytes_received"]
+            record.fraction_averaged = rep["fraction_averaged"]
+            record.total_weight = rep["total_weight"]
+            with self._averager.get_tensors() as bufs:
+                for b, t in zip(bufs, tensors):
+                    t.copy_(b.to(device=t.device, dtype=t.dtype))
+        missing = [p for p in expected_peers if p not in record.group]
+        if missing:
+            alive = self._reachable(missing)
+            for p in missing:
+                outcome = Outcome.NON_PARTICIPATING if alive.get(p) else Outcome.NOT_ALIVE
+                record.peers.append(PeerResult(p, outcome, reason="did not join the group"))
+        self.records.append(record)
+        if self._log is not None:
+            self._log.append(record)
+        return record
+
+    def _reachable(self, peer_ids: Sequence[str], timeout_s: float = 3.0) -> dict[str, bool]:
+        import functools
+
+        from dtrain.swarm.node import _ping_peer_ids
+
+        try:
+            return self.dht.run_coroutine(functools.partial(_ping_peer_ids, list(peer_ids), timeout_s))
+        except Exception:
+            return {p: False for p in peer_ids}
+
+    def load_state_from_peers(self, timeout_s: Optional[float] = 30.0):
+        """Download ``(metadata, tensors)`` from a peer that shares state (None if nobody answered)."""
+        return self._averager.load_state_from_peers(timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        if self._averager is not None:
+            try:
+                if self._averager.is_alive():
+                    self._averager.shutdown()
+            finally:
+                self._averager = None
+
+    def __enter__(self) -> "GradientSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

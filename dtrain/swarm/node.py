@@ -1,0 +1,216 @@
+"""Peer identity and discovery: one hivemind DHT per process, with a persistent key.
+
+- The Ed25519 libp2p key lives in ``<data_dir>/p2p_identity.key`` (hivemind's ``identity_path``),
+  so the peer id, which is what miners commit on chain, survives restarts.
+- Bootstrap comes only from the caller's ``initial_peers`` (chain commitments + config);
+  there is no built-in address.
+- A node that reaches nobody does not crash: it starts anyway, logs a clear warning, and
+  ``ensure_connected`` keeps retrying with exponential backoff. Callers that must have peers
+  get a ``NoPeersReachable`` exception (a ``ConnectionError``) once their deadline passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+IDENTITY_FILENAME = "p2p_identity.key"
+
+
+class NoPeersReachable(ConnectionError):
+    """None of the initial peers answered within the caller's deadline."""
+
+
+@dataclass
+class NodeConfig:
+    data_dir: str  # where the identity key is kept (created if missing)
+    initial_peers: Sequence[str] = ()  # full multiaddrs incl. /p2p/<peer id>
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: Sequence[str] = ()
+    client_mode: bool = False  # True behind NAT without port forwarding (cannot reduce parts for others)
+    bootstrap_timeout_s: float = 10.0  # per attempt
+    retry_initial_s: float = 1.0
+    retry_max_s: float = 60.0
+    extra_dht_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def identity_path(self) -> str:
+        return os.path.join(self.data_dir, IDENTITY_FILENAME)
+
+
+def _peer_id_of(maddr: str) -> Optional[str]:
+    parts = maddr.rstrip("/").split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("p2p", "ipfs"):
+            return parts[i + 1]
+    return None
+
+
+async def _count_peers(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _ping_all(maddrs: Sequence[str], timeout: float, _dht, node) -> int:
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+    async def one(maddr: str) -> bool:
+        peer = PeerID.from_base58(_peer_id_of(maddr))
+        try:
+            # p2pd forgets addresses it failed to dial at startup; re-dial explicitly.
+            # (_client is hivemind's p2pd client; P2P has no public connect().)
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(maddr)]), timeout)
+            return (await asyncio.wait_for(node.protocol.call_ping(peer), timeout)) is not None
+        except Exception as exc:  # unreachable: counted as a miss, retried later
+            logger.debug("swarm: dial %s failed: %r", maddr, exc)
+            return False
+
+    results = await asyncio.gather(*(one(m) for m in maddrs))
+    return sum(bool(r) for r in results)
+
+
+async def _ping_peer_ids(peer_ids: Sequence[str], timeout: float, _dht, node) -> dict:
+    from hivemind.p2p import PeerID
+
+    async def one(pid: str) -> bool:
+        try:
+            return (await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(pid)), timeout)) is not None
+        except Exception:
+            return False
+
+    results = await asyncio.gather(*(one(p) for p in peer_ids))
+    return dict(zip(peer_ids, results))
+
+
+class SwarmNode:
+    """A running hivemind DHT with a persistent identity. Use as a context manager or call shutdown()."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.dht = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------
+    def start(self) -> "SwarmNode":
+        import hivemind
+
+        os.makedirs(self.config.data_dir, exist_ok=True)
+        for maddr in self.config.initial_peers:
+            if _peer_id_of(maddr) is None:
+                raise ValueError(f"initial peer {maddr!r} has no /p2p/<peer id> component")
+        kwargs = dict(
+            initial_peers=list(self.config.initial_peers),
+            host_maddrs=list(self.config.host_maddrs),
+            identity_path=self.config.identity_path,
+            client_mode=self.config.client_mode,
+            # never crash at startup because the swarm is down; ensure_connected() retries instead
+            ensure_bootstrap_success=False,
+            bootstrap_timeout=self.config.bootstrap_timeout_s,
+            start=True,
+        )
+        if self.config.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.config.announce_maddrs)
+        kwargs.update(self.config.extra_dht_kwargs)
+        self.dht = hivemind.DHT(**kwargs)
+        if self.config.initial_peers and self.num_known_peers() == 0:
+            logger.warning(
+                "swarm: none of %d initial peers answered; running alone and retrying in the background of "
+                "ensure_connected()",
+                len(self.config.initial_peers),
+            )
+        return self
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self.dht is not None:
+                try:
+                    self.dht.shutdown()
+                finally:
+                    self.dht = None
+
+    def __enter__(self) -> "SwarmNode":
+        return self.start() if self.dht is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- facts -----------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        return str(self._require().peer_id)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self._require().get_visible_maddrs()]
+
+    def num_known_peers(self) -> int:
+        """Peers in the DHT routing table (0 = isolated)."""
+
+        # run_coroutine pickles the function into the DHT process: module-level functions only
+        return int(self._require().run_coroutine(_count_peers))
+
+    # -- bootstrap retry ---------------------------------------------------
+    def try_bootstrap_once(self) -> int:
+        """Dial and ping every initial peer once; returns how many answered."""
+        maddrs = list(self.config.initial_peers)
+        if not maddrs:
+            return 0
+        timeout = self.config.bootstrap_timeout_s
+
+        return int(self._require().run_coroutine(functools.partial(_ping_all, maddrs, timeout)))
+
+    def ensure_connected(
+        self,
+        timeout_s: Optional[float] = None,
+        stop: Optional[threading.Event] = None,
+        on_retry: Optional[Callable[[int, float], None]] = None,
+    ) -> int:
+        """Block until at least one peer is known, retrying with exponential backoff.
+
+        Returns the number of known peers. With no initial peers (first node of a swarm)
+        returns immediately. Raises NoPeersReachable after ``timeout_s`` (None = forever,
+        until ``stop`` is set, in which case the current count is returned).
+        """
+        if not self.config.initial_peers:
+            return self.num_known_peers()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = self.config.retry_initial_s
+        attempt = 0
+        while True:
+            known = self.num_known_peers()
+            if known > 0:
+                return known
+            attempt += 1
+            answered = self.try_bootstrap_once()
+            if answered > 0:
+                return max(self.num_known_peers(), answered)
+            logger.warning(
+                "swarm: no initial peer reachable (attempt %d, %d peers tried); retrying in %.1fs",
+                attempt,
+                len(self.config.initial_peers),
+                delay,
+            )
+            if on_retry is not None:
+                on_retry(attempt, delay)
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise NoPeersReachable(
+                    f"none of {len(self.config.initial_peers)} initial peers reachable after {attempt} attempts"
+                )
+            if stop is not None:
+                if stop.wait(delay):
+                    return self.num_known_peers()
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, self.config.retry_max_s)
+
+    def _require(self):
+        if self.dht is None:
+            raise RuntimeError("SwarmNode is not started")
+        return self.dht

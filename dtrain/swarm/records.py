@@ -1,0 +1,127 @@
+"""Round records: what one averaging round looked like from this peer (JSON-serialisable).
+
+Scoring and dashboards read these; keep the field names stable (they are documented in docs/swarm.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional
+
+
+class Outcome(str, enum.Enum):
+    """Exactly one per peer per round (the protocol's status codes)."""
+
+    SUCCESS = "SUCCESS"  # in the group, sent its parts and returned its averaged part
+    FAIL = "FAIL"  # in the group but failed: dropped/killed, too slow (banned), or sent non-finite values
+    NON_PARTICIPATING = "NON_PARTICIPATING"  # expected and reachable, but did not join the group
+    NOT_ALIVE = "NOT_ALIVE"  # expected but not reachable on the DHT/p2p layer
+    WRONG_MODEL = "WRONG_MODEL"  # joined, but its model fingerprint or tensor schema differs from ours
+
+
+@dataclass
+class PeerResult:
+    peer_id: str
+    outcome: Outcome
+    weight_claimed: float = 0.0  # the weight the peer announced in matchmaking
+    weight_used: float = 0.0  # after the cap (and 0 if its contribution was rejected)
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["outcome"] = self.outcome.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PeerResult":
+        return cls(
+            peer_id=str(d["peer_id"]),
+            outcome=Outcome(d["outcome"]),
+            weight_claimed=float(d.get("weight_claimed", 0.0)),
+            weight_used=float(d.get("weight_used", 0.0)),
+            reason=str(d.get("reason", "")),
+        )
+
+
+@dataclass
+class RoundRecord:
+    round_id: str  # hex group id assigned by hivemind matchmaking ("" if no group formed)
+    local_peer_id: str
+    started_at: float  # unix time
+    duration_s: float
+    group: list[str] = field(default_factory=list)  # peer ids in the matchmade group, in partition order
+    peers: list[PeerResult] = field(default_factory=list)
+    bytes_sent: int = 0  # protobuf payload bytes of all-reduce messages (excludes libp2p framing)
+    bytes_received: int = 0
+    fraction_averaged: float = 0.0  # share of the local vector that received a real average (rest kept local)
+    total_weight: float = 0.0  # sum of capped weights of contributing peers, as reduced by this peer
+    num_elements: int = 0
+    model_fingerprint: str = ""
+    compression: str = "none"
+    mode: str = "gradient"  # "gradient" (per-step) or "diloco" (pseudo-gradient)
+    tokens: int = 0  # tokens this peer trained on for this round (for bytes/token); 0 if unknown
+    error: str = ""  # non-empty when the round did not run (e.g. no group found)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.fraction_averaged > 0
+
+    def outcome_of(self, peer_id: str) -> Optional[Outcome]:
+        for p in self.peers:
+            if p.peer_id == peer_id:
+                return p.outcome
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["peers"] = [p.to_dict() for p in self.peers]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RoundRecord":
+        kwargs = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "peers"}
+        return cls(peers=[PeerResult.from_dict(p) for p in d.get("peers", [])], **kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+class RoundLog:
+    """Append-only JSON-lines file of RoundRecords (one line per round, flushed each time)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+
+    def append(self, record: RoundRecord) -> None:
+        line = record.to_json() + "\n"
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+
+    def __iter__(self) -> Iterator[RoundRecord]:
+        return iter(read_records(self.path))
+
+
+def read_records(path: str | os.PathLike) -> list[RoundRecord]:
+    """Read a JSON-lines round log; a torn last line (crash mid-write) is skipped, not fatal."""
+    out: list[RoundRecord] = []
+    if not os.path.exists(path):
+        return out
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(RoundRecord.from_dict(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
