@@ -48,7 +48,10 @@ class RateLimited(ChainError):
 
 @dataclass(frozen=True)
 class Neuron:
-    """One registered neuron as the core sees it (stake in TAO-like units)."""
+    """One registered neuron as the core sees it.
+
+    ``stake`` is in whole units (rao / 1e9): the subnet's alpha on a real chain.
+    """
 
     uid: int
     hotkey: str

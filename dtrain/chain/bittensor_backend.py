@@ -36,10 +36,14 @@ _RAW_FIELD_MAX = 128
 
 def commitment_info(text: str) -> dict:
     """``CommitmentInfo`` for ``set_commitment``: the UTF-8 text split into
-    Raw fields of <= 128 bytes (readers concatenate Raw fields in order)."""
+    Raw fields of <= 128 bytes (readers concatenate Raw fields in order).
+
+    The shape mirrors what the SDK decodes from ``CommitmentOf`` (a flat list
+    of ``{"RawN": "0x…"}``), so a record round-trips through the SDK reader.
+    """
     data = text.encode("utf-8")
     chunks = [data[i : i + _RAW_FIELD_MAX] for i in range(0, len(data), _RAW_FIELD_MAX)] or [b""]
-    return {"fields": [[{f"Raw{len(chunk)}": "0x" + chunk.hex()} for chunk in chunks]]}
+    return {"fields": [{f"Raw{len(chunk)}": "0x" + chunk.hex()} for chunk in chunks]}
 
 
 class BittensorChain:
@@ -154,7 +158,9 @@ class BittensorChain:
                 uid=int(n.uid),
                 hotkey=str(n.hotkey),
                 coldkey=str(n.coldkey) if n.coldkey else None,
-                stake=float(n.total_stake.tao),
+                # Subnet stake is alpha, not TAO (the SDK refuses .tao on it); the
+                # core only compares stakes, so units of 1e9 rao are enough.
+                stake=int(n.total_stake.rao) / 1e9,
                 validator_permit=bool(n.validator_permit),
             )
             for n in records
