@@ -335,6 +335,7 @@ class _DtrainAverager(DecentralizedAverager):
             )
             sender_weights = [w for w, mode in zip(used, modes) if mode != AveragingMode.AUX]
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                t_start = time.monotonic()
                 runner = _DtrainRunner(
                     p2p=self._p2p,
                     servicer_type=type(self),
@@ -359,7 +360,10 @@ class _DtrainAverager(DecentralizedAverager):
                 else:
                     async for _ in runner:
                         raise ValueError("auxiliary peers should not receive averaged tensors")
-            return dict(gathered=None, report=self._report(group_info, runner, modes, compatible, claimed, used))
+                allreduce_s = time.monotonic() - t_start
+            report = self._report(group_info, runner, modes, compatible, claimed, used)
+            report["allreduce_s"] = allreduce_s
+            return dict(gathered=None, report=report)
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug("dtrain all-reduce failed: %r", e, exc_info=True)
@@ -540,6 +544,7 @@ class GradientSwarm:
             record.bytes_received = rep["bytes_received"]
             record.fraction_averaged = rep["fraction_averaged"]
             record.total_weight = rep["total_weight"]
+            record.allreduce_s = rep["allreduce_s"]
             with self._averager.get_tensors() as bufs:
                 for b, t in zip(bufs, tensors):
                     t.copy_(b.to(device=t.device, dtype=t.dtype))

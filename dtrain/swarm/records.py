@@ -52,11 +52,12 @@ class RoundRecord:
     round_id: str  # hex group id assigned by hivemind matchmaking ("" if no group formed)
     local_peer_id: str
     started_at: float  # unix time
-    duration_s: float
+    duration_s: float  # matchmaking + all-reduce, as the caller waited
     group: list[str] = field(default_factory=list)  # peer ids in the matchmade group, in partition order
     peers: list[PeerResult] = field(default_factory=list)
     bytes_sent: int = 0  # protobuf payload bytes of all-reduce messages (excludes libp2p framing)
     bytes_received: int = 0
+    allreduce_s: float = 0.0  # the butterfly itself, after the group formed
     fraction_averaged: float = 0.0  # share of the local vector that received a real average (rest kept local)
     total_weight: float = 0.0  # sum of capped weights of contributing peers, as reduced by this peer
     num_elements: int = 0

@@ -1,0 +1,252 @@
+"""Engine of ``dtrain benchmark-bandwidth`` (the CLI shell lives in dtrain.cli).
+
+Both modes return a plain, JSON-serialisable dict and accept ``progress(stage, fraction)``,
+a plain callable the CLI can turn into a progress bar.
+
+* ``run_local``: N real averaging peers (own DHT + averager process + p2pd each) on loopback
+  average ``size_mb`` MiB of float32; the result is checked against the exact mean.
+* ``run_real``: join the swarm from the given initial peers, measure ping latency to the peers
+  we know, run one real averaging round on a *separate* benchmark prefix (so it never touches
+  training gradients), and report the figures beside the link bound.
+
+Butterfly all-reduce moves 2·D·(n−1)/n bytes per peer, so with link bandwidth B the time
+is at least ``bound_s = 2·D·(n−1)/n / B``; ``busbw = D·2(n−1)/n / seconds`` is the figure
+comparable with B (NCCL's convention), ``algbw = D / seconds``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+ProgressFn = Optional[Callable[[str, float], None]]
+MIB = 2**20
+
+
+def _notify(progress: ProgressFn, stage: str, fraction: float) -> None:
+    if progress is not None:
+        try:
+            progress(stage, float(min(max(fraction, 0.0), 1.0)))
+        except Exception:  # a broken progress bar must not break the measurement
+            pass
+
+
+def link_bound_s(size_bytes: float, peers: int, link_bytes_per_s: float) -> float:
+    """Lower bound on butterfly all-reduce time over links of the given bandwidth."""
+    if peers < 2 or link_bytes_per_s <= 0:
+        return 0.0
+    return 2.0 * size_bytes * (peers - 1) / peers / link_bytes_per_s
+
+
+def _bus_factor(peers: int) -> float:
+    return 2.0 * (peers - 1) / peers if peers > 1 else 0.0
+
+
+def run_local(
+    peers: int = 4,
+    size_mb: float = 32.0,
+    *,
+    compression: str = "none",
+    seed: int = 0,
+    timeout_s: float = 180.0,
+    part_size_bytes: int = 2**19,
+    progress: ProgressFn = None,
+) -> dict:
+    """Average ``size_mb`` MiB of float32 across ``peers`` loopback peers; compare with the exact mean."""
+    from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+    from dtrain.swarm.node import NodeConfig, SwarmNode
+
+    if peers < 2:
+        raise ValueError("need at least 2 peers")
+    numel = max(int(size_mb * MIB / 4), 1)
+    tmp = tempfile.mkdtemp(prefix="dtrain-bw-")
+    nodes: list = []
+    swarms: list = []
+    try:
+        _notify(progress, "starting peers", 0.0)
+        loop = ["/ip4/127.0.0.1/tcp/0"]
+        first = SwarmNode(NodeConfig(data_dir=os.path.join(tmp, "p0"), host_maddrs=loop)).start()
+        nodes.append(first)
+        boot = first.visible_maddrs()
+        for i in range(1, peers):
+            nodes.append(
+                SwarmNode(NodeConfig(data_dir=os.path.join(tmp, f"p{i}"), host_maddrs=loop, initial_peers=boot)).start()
+            )
+            _notify(progress, "starting peers", i / peers * 0.3)
+        data = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(peers)]
+        exact = torch.stack([d.double() for d in data]).mean(0)
+        cfg = AveragingConfig(
+            prefix="dtrain_bw_local",
+            min_group_size=peers,
+            target_group_size=peers,
+            min_matchmaking_time_s=3.0,
+            request_timeout_s=1.0,
+            matchmaking_timeout_s=timeout_s,
+            allreduce_timeout_s=timeout_s,
+            sender_timeout_s=timeout_s / 2,
+            compression=compression,
+            part_size_bytes=part_size_bytes,
+            allow_state_sharing=False,
+        )
+        fp = f"bandwidth-local-{numel}"
+        for i, node in enumerate(nodes):
+            swarms.append(GradientSwarm(node.dht, [data[i]], fp, cfg))
+            _notify(progress, "starting averagers", 0.3 + (i + 1) / peers * 0.3)
+        records: list = [None] * peers
+        outputs = [d.clone() for d in data]
+
+        def one(i: int) -> None:
+            records[i] = swarms[i].run_round([outputs[i]], weight=1.0, cap=1.0)
+
+        _notify(progress, "all-reduce", 0.6)
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(peers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s + 30)
+        wall = time.monotonic() - t0
+        _notify(progress, "checking", 0.95)
+        errors = [r.error for r in records if r is None or r.error] if all(records) else ["a peer did not finish"]
+        seconds = max((r.allreduce_s for r in records if r is not None), default=0.0)
+        max_err = max(float((o.double() - exact).abs().max()) for o in outputs)
+        size_bytes = numel * 4
+        result = dict(
+            mode="local",
+            peers=peers,
+            size_mb=size_bytes / MIB,
+            size_bytes=size_bytes,
+            compression=compression,
+            seconds=seconds,
+            wall_seconds_incl_matchmaking=wall,
+            algbw_mb_s=(size_bytes / MIB) / seconds if seconds > 0 else 0.0,
+            busbw_mb_s=(size_bytes / MIB) * _bus_factor(peers) / seconds if seconds > 0 else 0.0,
+            max_abs_error=max_err,
+            fraction_averaged=min((r.fraction_averaged for r in records if r is not None), default=0.0),
+            bytes_sent=[r.bytes_sent for r in records if r is not None],
+            bytes_received=[r.bytes_received for r in records if r is not None],
+            ok=not errors and max_err <= (1e-5 if compression == "none" else float("inf")),
+            errors=errors,
+        )
+        _notify(progress, "done", 1.0)
+        return result
+    finally:
+        for s in swarms:
+            s.shutdown()
+        for n in nodes:
+            n.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _ping_known(timeout: float, _dht, node) -> dict:
+    import asyncio
+
+    peer_ids = list(node.protocol.routing_table.peer_id_to_uid.keys())
+
+    async def one(peer):
+        t0 = time.monotonic()
+        try:
+            ok = (await asyncio.wait_for(node.protocol.call_ping(peer), timeout)) is not None
+        except Exception:
+            ok = False
+        return str(peer), ((time.monotonic() - t0) * 1000.0 if ok else None)
+
+    return dict(await asyncio.gather(*(one(p) for p in peer_ids)))
+
+
+def run_real(
+    initial_peers: Sequence[str],
+    *,
+    data_dir: str,
+    size_mb: float = 8.0,
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+    announce_maddrs: Sequence[str] = (),
+    prefix: str = "dtrain_bw",
+    min_group_size: int = 2,
+    target_group_size: int = 8,
+    link_mbit: Optional[float] = None,
+    connect_timeout_s: float = 60.0,
+    round_timeout_s: float = 120.0,
+    progress: ProgressFn = None,
+) -> dict:
+    """Measure latency to reachable peers and one real all-reduce round among benchmarking peers.
+
+    Peers meet on ``<prefix>_<size>`` (never a training prefix) with weight 1 each.
+    ``link_mbit`` (the operator's declared link speed) gives the theoretical bound.
+    """
+    from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+    from dtrain.swarm.node import NodeConfig, SwarmNode
+
+    numel = max(int(size_mb * MIB / 4), 1)
+    node = SwarmNode(
+        NodeConfig(
+            data_dir=data_dir,
+            initial_peers=list(initial_peers),
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs),
+        )
+    )
+    swarm = None
+    try:
+        _notify(progress, "joining DHT", 0.0)
+        node.start()
+        known = node.ensure_connected(timeout_s=connect_timeout_s)
+        _notify(progress, "measuring latency", 0.2)
+        latencies = node.dht.run_coroutine(functools.partial(_ping_known, 5.0))
+        reachable = {p: ms for p, ms in latencies.items() if ms is not None}
+        _notify(progress, "all-reduce", 0.4)
+        cfg = AveragingConfig(
+            prefix=f"{prefix}_{numel}",
+            min_group_size=min_group_size,
+            target_group_size=target_group_size,
+            min_matchmaking_time_s=10.0,
+            request_timeout_s=3.0,
+            matchmaking_timeout_s=round_timeout_s,
+            allreduce_timeout_s=round_timeout_s,
+            sender_timeout_s=30.0,
+            allow_state_sharing=False,
+        )
+        data = torch.randn(numel)
+        swarm = GradientSwarm(node.dht, [data], f"bandwidth-{numel}", cfg)
+        record = swarm.run_round([data], weight=1.0, cap=1.0)
+        n = len(record.group)
+        size_bytes = numel * 4
+        seconds = record.allreduce_s
+        measured_bytes = record.bytes_sent + record.bytes_received
+        link_bps = link_mbit * 1e6 / 8 if link_mbit else None
+        bound = link_bound_s(size_bytes, n, link_bps) if link_bps else None
+        result = dict(
+            mode="real",
+            peer_id=node.peer_id,
+            known_peers=known,
+            latency_ms=reachable,
+            latency_ms_median=(sorted(reachable.values())[len(reachable) // 2] if reachable else None),
+            unreachable=[p for p, ms in latencies.items() if ms is None],
+            peers=n,
+            size_mb=size_bytes / MIB,
+            seconds=seconds,
+            algbw_mb_s=(size_bytes / MIB) / seconds if seconds > 0 else 0.0,
+            busbw_mb_s=(size_bytes / MIB) * _bus_factor(n) / seconds if seconds > 0 and n > 1 else 0.0,
+            throughput_mb_s=(measured_bytes / MIB) / seconds if seconds > 0 else 0.0,
+            bytes_sent=record.bytes_sent,
+            bytes_received=record.bytes_received,
+            link_mbit=link_mbit,
+            bound_s=bound,
+            efficiency=(bound / seconds if bound and seconds > 0 else None),
+            round=record.to_dict(),
+            ok=not record.error,
+            errors=[record.error] if record.error else [],
+        )
+        _notify(progress, "done", 1.0)
+        return result
+    finally:
+        if swarm is not None:
+            swarm.shutdown()
+        node.shutdown()
