@@ -48,7 +48,8 @@ from hivemind.averaging.group_info import GroupInfo  # noqa: E402
 from hivemind.averaging.matchmaking import MatchmakingException  # noqa: E402
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer  # noqa: E402
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously  # noqa: E402
+from hivemind.proto import averaging_pb2  # noqa: E402
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -209,9 +210,31 @@ class _DtrainRunner(AllReduceRunner):
             return register(peer_index, part_index, part)
 
         container.register_processed_part = register_checked
+        # Reducers return the averaged part itself, not hivemind's delta (average - sent part):
+        # local + delta differs from the average by rounding, differently on every peer, and
+        # the protocol needs bit-identical results so all copies take the same optimizer step.
+        # A failed reducer's share therefore falls back to our raw local part.
+        container.return_deltas = False
+        self._wire_compression = container.compression
+
+    def _as_received(self, averaged: torch.Tensor) -> torch.Tensor:
+        """What a remote sender gets for this averaged part (lossy compression round trip)."""
+        if self._wire_compression.compression_type == 0:  # NONE: exact, skip the copy
+            return averaged
+        return deserialize_torch_tensor(serialize_torch_tensor(averaged, self._wire_compression.compression_type))
 
     # -- client side -------------------------------------------------------------------
     async def _communicate_with_peer(self, peer_id):
+        if peer_id == self.peer_id:
+            # our own share: reduce locally; keep exactly what remote senders will receive
+            peer_index = self.ordered_peer_ids.index(peer_id)
+            sender_index = self.sender_peer_ids.index(peer_id)
+            loop = asyncio.get_event_loop()
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
+                received = await loop.run_in_executor(None, self._as_received, averaged)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, received)
+            return
         try:
             await super()._communicate_with_peer(peer_id)
         except BaseException as e:
@@ -235,6 +258,29 @@ class _DtrainRunner(AllReduceRunner):
         return _CountingStub(super()._get_peer_stub(peer), self)
 
     # -- server side ---------------------------------------------------------------------
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """Reduce a sender's parts as they stream in; reply with the averaged part (not a delta)."""
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, part_compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
+                    part_index += 1
+                except BannedException:
+                    break  # banned (timeout, disconnect, non-finite): stop serving this sender
+                serialized = await loop.run_in_executor(
+                    None, lambda: serialize_torch_tensor(averaged, part_compression)
+                )
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
     async def rpc_aggregate_part(self, stream, context):
         async def counted():
             async for msg in stream:
@@ -353,8 +399,8 @@ class _DtrainAverager(DecentralizedAverager):
                 assert group_info.group_id in self._running_groups
                 self._running_groups[group_info.group_id].set_result(runner)
                 if modes[me] != AveragingMode.AUX:
-                    async for tensor, update in azip(as_aiter(*local_tensors), runner):
-                        tensor.add_(update, alpha=self._averaging_alpha)
+                    async for tensor, averaged in azip(as_aiter(*local_tensors), runner):
+                        tensor.copy_(averaged)  # the average itself (see _DtrainRunner)
                     self.last_updated = get_dht_time()
                     self._state_updated.set()
                 else:
@@ -444,6 +490,7 @@ class GradientSwarm:
         self._fault = fault
         self._log = RoundLog(self.config.log_path) if self.config.log_path else None
         self.records: list[RoundRecord] = []
+        self._step = None
         cfg = self.config
         self._averager = _DtrainAverager(
             self._buffers,
@@ -471,6 +518,12 @@ class GradientSwarm:
     @property
     def peer_id(self) -> str:
         return str(self.dht.peer_id)
+
+    @property
+    def stage(self) -> Optional[str]:
+        """Stage of the current/last round: LOOKING_FOR_GROUP, RUNNING_ALLREDUCE, FINISHED... (None before any)."""
+        step = self._step
+        return None if step is None else step.stage.name
 
     def run_round(
         self,
@@ -508,12 +561,14 @@ class GradientSwarm:
         t0 = time.monotonic()
         result, error = None, ""
         try:
-            result = self._averager.step(
+            self._step = self._averager.step(
                 gather=gather,
                 weight=float(min(weight, cap)),
                 timeout=timeout_s if timeout_s is not None else cfg.matchmaking_timeout_s,
                 allow_retries=True,
+                wait=False,
             )
+            result = self._step.result()
             if result is None:
                 error = "no group formed"
         except Exception as e:  # hivemind surfaces matchmaking failures as various exception types

@@ -1,0 +1,247 @@
+"""Real hivemind peers on loopback: means, the cap, wrong models, NaN senders, slow senders, state catch-up."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dtrain.swarm.averaging import AveragingConfig, FaultInjection, GradientSwarm
+from dtrain.swarm.records import Outcome, read_records
+from dtrain.swarm.testing import local_nodes, run_concurrently
+
+pytestmark = pytest.mark.slow
+
+_prefix_counter = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    with local_nodes(4) as started:
+        yield started
+
+
+def _cfg(group: int, **kw) -> AveragingConfig:
+    # unique prefix per test: rounds of different tests never matchmake with each other
+    base = dict(
+        prefix=f"t{next(_prefix_counter)}",
+        min_group_size=group,
+        target_group_size=group,
+        min_matchmaking_time_s=1.5,
+        request_timeout_s=0.5,
+        matchmaking_timeout_s=30,
+        allreduce_timeout_s=60,
+        sender_timeout_s=5,
+        part_size_bytes=4096,  # several parts per peer even for small tensors
+        allow_state_sharing=False,
+    )
+    base.update(kw)
+    return AveragingConfig(**base)
+
+
+def _swarms(nodes, tensors, cfg, fingerprints=None, faults=None, **kw):
+    out = []
+    for i, ts in enumerate(tensors):
+        fp = fingerprints[i] if fingerprints else "model-a"
+        fault = faults[i] if faults else None
+        out.append(GradientSwarm(nodes[i].dht, ts, fp, cfg, fault=fault, **kw))
+    return out
+
+
+def _shutdown(swarms):
+    for s in swarms:
+        s.shutdown()
+
+
+def test_exact_mean_and_record(nodes, tmp_path):
+    torch.manual_seed(0)
+    data = [[torch.randn(3000), torch.randn(7, 5)] for _ in range(3)]
+    expected = [torch.stack([d[k] for d in data]).mean(0) for k in range(2)]
+    log = tmp_path / "rounds.jsonl"
+    cfg = _cfg(3, log_path=str(log))
+    swarms = _swarms(nodes, data, cfg)
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=5, cap=10) for i in range(3)])
+    finally:
+        _shutdown(swarms)
+    for d in data:
+        for k in range(2):
+            torch.testing.assert_close(d[k], expected[k], rtol=0, atol=1e-6)
+    ids = {s.peer_id for s in swarms}
+    for r in recs:
+        assert not r.error and r.fraction_averaged == 1.0
+        assert set(r.group) == ids and all(p.outcome == Outcome.SUCCESS for p in r.peers)
+        assert r.bytes_sent > 0 and r.bytes_received > 0 and r.allreduce_s > 0
+        assert r.round_id == recs[0].round_id
+    logged = read_records(log)
+    assert len(logged) == 3 and {r.local_peer_id for r in logged} == ids
+
+
+def test_weighted_mean_with_cap_and_zero_weight_validator(nodes):
+    # weights claimed: 1, 3, 1000 (capped to 4), 0 (validator) -> effective 1, 3, 4, 0
+    values = [1.0, 2.0, 3.0, 100.0]
+    data = [[torch.full((2000,), v)] for v in values]
+    cfg = _cfg(4)
+    swarms = _swarms(nodes, data, cfg)
+    claimed = [1, 3, 1000, 0]
+    try:
+        recs = run_concurrently(
+            [lambda i=i: swarms[i].run_round(data[i], weight=claimed[i], cap=4) for i in range(4)]
+        )
+    finally:
+        _shutdown(swarms)
+    expected = (1 * 1.0 + 3 * 2.0 + 4 * 3.0 + 0 * 100.0) / 8
+    for d in data:  # the validator receives exactly the same average
+        torch.testing.assert_close(d[0], torch.full((2000,), expected), rtol=0, atol=1e-5)
+    used = {p.peer_id: p.weight_used for p in recs[0].peers}
+    assert used[swarms[2].peer_id] == 4.0 and used[swarms[3].peer_id] == 0.0
+    assert recs[0].total_weight == 8.0
+
+
+@pytest.mark.parametrize("mismatch", ["fingerprint", "shape"])
+def test_wrong_model_is_refused(nodes, mismatch):
+    data = [[torch.full((1500,), 1.0)], [torch.full((1500,), 3.0)], [torch.full((1500,), 50.0)]]
+    fps = ["model-a", "model-a", "model-a"]
+    if mismatch == "fingerprint":
+        fps[2] = "model-b"
+    else:
+        data[2] = [torch.full((1600,), 50.0)]
+    cfg = _cfg(3)
+    swarms = _swarms(nodes, data, cfg, fingerprints=fps)
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1) for i in range(3)])
+    finally:
+        _shutdown(swarms)
+    wrong = swarms[2].peer_id
+    for r in recs[:2]:
+        assert wrong in r.group  # it did join matchmaking ...
+        assert r.outcome_of(wrong) == Outcome.WRONG_MODEL  # ... and was refused
+        assert r.fraction_averaged == 1.0
+    for d in data[:2]:
+        torch.testing.assert_close(d[0], torch.full((1500,), 2.0), rtol=0, atol=1e-6)
+    assert bool((data[2][0] == 50.0).all())  # the wrong peer averaged nothing in and got nothing
+
+
+def test_nonfinite_sender_is_rejected(nodes):
+    data = [[torch.full((3000,), 1.0)], [torch.full((3000,), 3.0)], [torch.full((3000,), 7.0)]]
+    cfg = _cfg(3)
+    swarms = _swarms(nodes, data, cfg, faults=[None, None, FaultInjection(send_nonfinite=True)])
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1) for i in range(3)])
+    finally:
+        _shutdown(swarms)
+    bad = swarms[2].peer_id
+    for d in data[:2]:
+        assert bool(torch.isfinite(d[0]).all())
+    # parts reduced by honest peers never include the NaN sender; the part the bad peer itself
+    # reduced comes back finite (from its own, honest-looking local values) or is kept local
+    assert torch.equal(data[0][0], data[1][0]) or recs[0].fraction_averaged < 1.0
+    assert bool((data[0][0] == 2.0).any())
+    for r in recs[:2]:
+        assert r.outcome_of(bad) == Outcome.FAIL
+        assert "non-finite" in next(p.reason for p in r.peers if p.peer_id == bad)
+
+
+def test_local_nonfinite_is_refused_before_sending(nodes):
+    swarm = GradientSwarm(nodes[0].dht, [torch.zeros(10)], "model-a", _cfg(2))
+    try:
+        with pytest.raises(ValueError, match="non-finite"):
+            swarm.run_round([torch.tensor([float("nan")] * 10)], weight=1, cap=1)
+    finally:
+        swarm.shutdown()
+
+
+def test_slow_sender_is_banned_others_complete(nodes):
+    data = [[torch.full((3000,), 1.0)], [torch.full((3000,), 3.0)], [torch.full((3000,), 11.0)]]
+    cfg = _cfg(3, sender_timeout_s=1.0)
+    swarms = _swarms(nodes, data, cfg, faults=[None, None, FaultInjection(send_delay_s=4.0)])
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1) for i in range(3)])
+    finally:
+        _shutdown(swarms)
+    slow = swarms[2].peer_id
+    for r in recs[:2]:
+        assert not r.error
+        assert r.outcome_of(slow) == Outcome.FAIL
+        assert r.duration_s < 15
+    torch.testing.assert_close(data[0][0], data[1][0], rtol=0, atol=0)
+    # the parts the honest peers reduced exclude the slow sender: mean(1, 3) = 2
+    assert bool((data[0][0] == 2.0).any())
+    assert bool(torch.isfinite(data[0][0]).all())
+
+
+def test_no_group_keeps_local_values(nodes):
+    t = torch.full((100,), 4.0)
+    swarm = GradientSwarm(nodes[0].dht, [t], "model-a", _cfg(2, min_matchmaking_time_s=0.5))
+    try:
+        rec = swarm.run_round([t], weight=1, cap=1, timeout_s=2, expected_peers=[nodes[1].peer_id])
+    finally:
+        swarm.shutdown()
+    assert rec.error and bool((t == 4.0).all())
+    assert rec.outcome_of(nodes[1].peer_id) == Outcome.NON_PARTICIPATING
+
+
+def test_identical_parameters_after_round(nodes):
+    def make_model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+    base = make_model(0).state_dict()
+    models = [make_model(i) for i in range(3)]
+    for m in models:
+        m.load_state_dict(base)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    cfg = _cfg(3)
+    swarms = [
+        GradientSwarm(nodes[i].dht, [torch.zeros_like(p) for p in models[i].parameters()], "mlp", cfg)
+        for i in range(3)
+    ]
+    try:
+        for step in range(2):
+            grads = []
+            for i, m in enumerate(models):
+                m.zero_grad()
+                g = torch.Generator().manual_seed(100 * step + i)
+                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                grads.append([p.grad for p in m.parameters()])
+            run_concurrently(
+                [lambda i=i: swarms[i].run_round(grads[i], weight=16, cap=16) for i in range(3)]
+            )
+            for o in opts:
+                o.step()
+    finally:
+        _shutdown(swarms)
+    for m in models[1:]:
+        for a, b in zip(models[0].parameters(), m.parameters()):
+            assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), base.values()))
+
+
+def test_late_joiner_loads_state_from_peer(nodes):
+    donor_params = [torch.arange(12.0).reshape(3, 4), torch.ones(5)]
+
+    def provider():
+        return {"epoch": 7, "step": 123}, donor_params
+
+    cfg = _cfg(2, allow_state_sharing=True, declare_state_period_s=2)
+    donor = GradientSwarm(nodes[0].dht, donor_params, "model-a", cfg, state_provider=provider)
+    joiner = GradientSwarm(nodes[1].dht, [torch.zeros(3, 4), torch.zeros(5)], "model-a", cfg)
+    try:
+        loaded = None
+        import time
+
+        deadline = time.monotonic() + 20
+        while loaded is None and time.monotonic() < deadline:
+            loaded = joiner.load_state_from_peers(timeout_s=10)
+            if loaded is None:
+                time.sleep(0.5)
+    finally:
+        donor.shutdown()
+        joiner.shutdown()
+    assert loaded is not None
+    metadata, tensors = loaded
+    assert metadata == {"epoch": 7, "step": 123}
+    for a, b in zip(tensors, donor_params):
+        assert torch.equal(a, b)
