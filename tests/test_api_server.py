@@ -449,3 +449,23 @@ def test_client_unreachable(wallets):
     with pytest.raises(ApiError, match="unreachable") as info:
         MinerClient(wallets["validator"], timeout=5).status(f"127.0.0.1:{port}")
     assert info.value.status is None
+
+
+def test_sandbox_registered_validator_is_the_allowed_caller(wallets, tmp_path):
+    """End to end: the permit check is the sandbox chain's registered validator."""
+    from dtrain.chain import sandbox
+    from dtrain.chain.permits import ValidatorPermits
+
+    sandbox.create(tmp_path / "chain")
+    chain = sandbox.SandboxChain(tmp_path / "chain")
+    chain.register(wallets["validator"].hotkey.ss58_address, validator_permit=True, stake=1.0)
+    chain.register(wallets["stranger"].hotkey.ss58_address)  # a registered miner, no permit
+    rec = Recorder()
+    with MinerApiServer(rec.handlers(), self_hotkey=wallets["miner"].hotkey.ss58_address,
+                        is_allowed=ValidatorPermits(chain)) as server:
+        assert MinerClient(wallets["validator"]).train(server.url, server.self_hotkey, TRAIN)["uid"] == 1
+        with pytest.raises(ApiError) as info:
+            MinerClient(wallets["stranger"]).train(server.url, server.self_hotkey, TRAIN)
+        assert info.value.status == 403
+    assert len(rec.calls) == 1
+    chain.close()

@@ -221,7 +221,7 @@ def test_unregistered_hotkey_is_not_retried(world, tmp_path):
 def test_commit_submits_raw_fields_signed_by_hotkey(world):
     chain, fake, validator, _ = world
     record = MinerCommitment(peer_id=PEER, api="[2001:db8::1]:8091", repo="hf://owner/" + "m" * 150)
-    chain.commit(record)
+    assert chain.commit(record) is True
     call, signer = fake.submitted[-1]
     assert signer == validator.hotkey.ss58_address
     assert (call.module, call.function) == ("Commitments", "set_commitment")
@@ -232,6 +232,23 @@ def test_commit_submits_raw_fields_signed_by_hotkey(world):
         (validator.hotkey.ss58_address, {"block": 100, "deposit": 0, "info": call.params["info"]})
     ]
     assert chain.commitments()[validator.hotkey.ss58_address] == record
+    # Re-committing what the chain already holds sends no extrinsic (fees, space limit).
+    fake.storage[("Commitments", "CommitmentOf", NETUID, validator.hotkey.ss58_address)] = {
+        "block": 100, "deposit": 0, "info": call.params["info"]}
+    sent = len(fake.submitted)
+    assert chain.commit(record) is False and len(fake.submitted) == sent
+    moved = MinerCommitment(peer_id=PEER, api="10.9.9.9:1", repo="o/m")
+    assert chain.commit(moved) is True and len(fake.submitted) == sent + 1
+
+
+def test_backend_satisfies_chain_protocol_and_permits(world):
+    from dtrain.chain.base import Chain
+    from dtrain.chain.permits import ValidatorPermits
+
+    chain, fake, validator, miner = world
+    assert isinstance(chain, Chain)
+    permits = ValidatorPermits(chain, min_stake=1000.0)
+    assert permits(validator.hotkey.ss58_address) and not permits(miner.hotkey.ss58_address)
 
 
 def test_unreachable_chain_reports_health(world):

@@ -106,7 +106,9 @@ def test_commitments_skip_malformed(chain_dir, caplog):
     for hk in ("hk-a", "hk-b", "hk-c"):
         admin.register(hk)
     record = MinerCommitment(peer_id=PEER, api="127.0.0.1:9000", repo="owner/m")
-    SandboxChain(chain_dir, hotkey="hk-a").commit(record)
+    writer = SandboxChain(chain_dir, hotkey="hk-a")
+    assert writer.commit(record) is True
+    assert writer.commit(record) is False  # unchanged: no write
     SandboxChain(chain_dir, hotkey="hk-b").commit_raw("__import__('os').system('id')")
     SandboxChain(chain_dir, hotkey="hk-c").commit_raw('{"v":1}')
     with caplog.at_level(logging.WARNING, logger="dtrain.chain"):
@@ -272,3 +274,42 @@ def test_create_refuses_bad_parameters(tmp_path):
     sandbox.create(tmp_path / "c")
     with pytest.raises(ChainError, match="already exists"):
         sandbox.create(tmp_path / "c", exist_ok=False)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_validator_permits_cache_and_outage(chain_dir):
+    from dtrain.chain.permits import ValidatorPermits
+
+    admin = SandboxChain(chain_dir)
+    admin.register("hk-v", validator_permit=True, stake=10.0)
+    admin.register("hk-poor", validator_permit=True, stake=0.5)
+    admin.register("hk-m")
+    clock = Clock()
+    reader = SandboxChain(chain_dir, retry=RetryPolicy(attempts=1))
+    permits = ValidatorPermits(reader, refresh_s=30, min_stake=1.0, clock=clock)
+    assert permits("hk-v") and not permits("hk-m") and not permits("hk-poor") and not permits("nobody")
+    admin.register("hk-v2", validator_permit=True, stake=5.0)
+    assert not permits("hk-v2")  # cached
+    clock.now = 31
+    assert permits("hk-v2")  # refreshed
+    # Outage: the last known set keeps answering.
+    calls = {"n": 0}
+
+    def down():
+        calls["n"] += 1
+        raise ChainUnavailable("sandbox down")
+
+    reader.neurons = down
+    clock.now = 100
+    assert permits("hk-v") and not permits("hk-m")
+    assert calls["n"] == 1  # one refresh attempt per period, not one per request
+    # Never loaded + outage: the check raises (the API answers 503).
+    with pytest.raises(ChainUnavailable):
+        ValidatorPermits(reader)("hk-v")

@@ -136,8 +136,9 @@ class Chain(Protocol):
         """Each hotkey's parsed commitment; malformed ones are logged and skipped."""
         ...
 
-    def commit(self, record: MinerCommitment) -> None:
-        """Publish this node's own commitment (signed by its hotkey)."""
+    def commit(self, record: MinerCommitment) -> bool:
+        """Publish this node's own commitment (signed by its hotkey).
+        Returns False without writing when the chain already holds it."""
         ...
 
     def set_weights(self, uids: Sequence[int], weights: Sequence[float]) -> None:

@@ -173,8 +173,22 @@ class BittensorChain:
     def commitments(self) -> dict[str, MinerCommitment]:
         return parse_commitments(self.raw_commitments(), log)
 
-    def commit(self, record: MinerCommitment) -> None:
-        self.commit_raw(record.to_json())
+    def commit(self, record: MinerCommitment) -> bool:
+        """Publish ``record``; False (no extrinsic) when it is already current.
+
+        Skipping an unchanged record matters on a real chain: every
+        ``set_commitment`` pays a deposit/fee and counts against the pallet's
+        per-interval space limit, and miners re-commit on every start.
+        """
+        data = record.to_json()
+        hotkey = self._require_wallet().hotkey.ss58_address
+        current = self._call(
+            "commitment", lambda: self._client.identity.commitment(self.netuid, hotkey)
+        )
+        if current is not None and getattr(current, "data", None) == data:
+            return False
+        self.commit_raw(data)
+        return True
 
     def commit_raw(self, data: str) -> None:
         wallet = self._require_wallet()

@@ -252,8 +252,14 @@ class SandboxChain:
     def commitments(self) -> dict[str, MinerCommitment]:
         return parse_commitments(self.raw_commitments())
 
-    def commit(self, record: MinerCommitment) -> None:
-        self.commit_raw(record.to_json())
+    def commit(self, record: MinerCommitment) -> bool:
+        """Publish ``record``; False (and no write) when it is already current."""
+        data = record.to_json()
+        hotkey = self._require_hotkey()
+        if self.raw_commitments().get(hotkey) == data:
+            return False
+        self.commit_raw(data)
+        return True
 
     def commit_raw(self, data: str) -> None:
         """Store any string as this hotkey's commitment (as a real chain would;
