@@ -1,0 +1,179 @@
+"""Atomic, verifiable checkpoints.
+
+Layout of a checkpoint directory::
+
+    ckpt-00000007.pt   torch.save payload (loaded with weights_only=True: no pickle code runs)
+    ckpt-00000006.pt   the previous one, kept until a newer one is complete
+    LATEST             JSON: {"format", "seq", "file", "size", "sha256", "previous": {...}}
+
+Saving: the payload goes to a temp file in the same directory (hashed while
+written), is fsynced, renamed (os.replace) to its final name and the directory
+fsynced; then LATEST is rewritten the same way. Only after that are files older
+than the previous checkpoint removed. A kill at any instant leaves LATEST
+pointing at a complete file whose size and SHA-256 it records; stray temp files
+from a killed writer are ignored and cleaned up by the next save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dtrain.training.errors import CheckpointError
+
+FORMAT = "dtrain-checkpoint/1"
+LATEST = "LATEST"
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+class _HashingWriter:
+    """File wrapper that hashes and counts bytes as torch.save writes them."""
+
+    def __init__(self, f, on_write: Callable[[int], None] | None):
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self._on_write = on_write
+
+    def write(self, b) -> int:
+        n = self._f.write(b)
+        self.sha.update(memoryview(b)[:n] if n is not None else b)
+        self.size += n if n is not None else len(b)
+        if self._on_write is not None:
+            self._on_write(self.size)
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # platforms without directory fds: best effort
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_manifest(directory: str | os.PathLike) -> dict | None:
+    """The LATEST manifest of a checkpoint directory, or None when there is none yet."""
+    path = Path(directory) / LATEST
+    if not path.exists():
+        return None
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+        if m.get("format") != FORMAT or not _NAME.match(m.get("file", "")):
+            raise ValueError("unexpected content")
+        return m
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint manifest {path} is unreadable ({exc}); restore it from a backup or "
+            "delete the directory to start from scratch"
+        ) from exc
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    on_write: Callable[[int], None] | None = None,
+) -> Path:
+    """Atomically write ``state`` as the newest checkpoint of ``directory``; return its path.
+
+    ``on_write(bytes_written)`` is called as the payload is written (progress display).
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    prev = read_manifest(d)
+    seq = prev["seq"] + 1 if prev else 1
+    final = d / f"ckpt-{seq:08d}.pt"
+    tmp = d / f".{final.name}.tmp-{os.getpid()}"
+    payload = {"format": FORMAT, **state}
+    with open(tmp, "wb") as f:
+        w = _HashingWriter(f, on_write)
+        torch.save(payload, w)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(d)
+    entry = {"format": FORMAT, "seq": seq, "file": final.name, "size": w.size, "sha256": w.sha.hexdigest()}
+    if prev:
+        entry["previous"] = {k: prev[k] for k in ("seq", "file", "size", "sha256")}
+    _write_atomic_bytes(d / LATEST, json.dumps(entry, indent=1).encode())
+    # Now that LATEST names the new file, everything but it and its predecessor can go.
+    keep = {final.name, prev["file"] if prev else None}
+    for p in d.iterdir():
+        if (_NAME.match(p.name) and p.name not in keep) or ".tmp-" in p.name:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+    return final
+
+
+def _verify_and_load(path: Path, size: int | None, sha256: str | None, map_location) -> dict:
+    hint = ("restore it from a backup, load the previous checkpoint (which='previous'), "
+            "or delete the checkpoint directory to start from scratch")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing; {hint}")
+    if size is not None and path.stat().st_size != size:
+        raise CheckpointError(f"checkpoint {path} is corrupt (size {path.stat().st_size}, expected {size}); {hint}")
+    if sha256 is not None:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != sha256:
+            raise CheckpointError(f"checkpoint {path} is corrupt (SHA-256 mismatch); {hint}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); {hint}") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} checkpoint; {hint}")
+    return state
+
+
+def load_checkpoint(
+    location: str | os.PathLike,
+    *,
+    which: str = "latest",
+    map_location: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """Load a checkpoint from a directory (``which``: 'latest' or 'previous') or a .pt file.
+
+    Raises CheckpointError naming the file when it is missing or corrupt. There is no
+    automatic fallback to the previous checkpoint: the caller decides.
+    """
+    p = Path(location)
+    if p.is_file():
+        return _verify_and_load(p, None, None, map_location)
+    m = read_manifest(p)
+    if m is None:
+        raise CheckpointError(f"no checkpoint in {p} (no {LATEST} file); start fresh or point at the right directory")
+    if which == "previous":
+        if "previous" not in m:
+            raise CheckpointError(f"{p} has no previous checkpoint")
+        m = m["previous"]
+    elif which != "latest":
+        raise ValueError("which must be 'latest' or 'previous'")
+    return _verify_and_load(p / m["file"], m["size"], m["sha256"], map_location)

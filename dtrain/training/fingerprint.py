@@ -1,0 +1,169 @@
+"""Per-micro-batch gradient fingerprints: compact random-projection sketches.
+
+A miner answering a Train challenge reports, for each micro-batch, its loss and
+``k`` (<= 64) Rademacher projections of the flattened gradient. The validator
+recomputes the same micro-batch on its own copy of the model with the same code
+and compares.
+
+Projection: parameter ``i`` (in ``named_parameters`` order), element ``n`` of its
+flattened gradient gets the 64-bit hash ``h = mix64(seed_i + n)`` where
+``seed_i = SHA256(len-prefixed "dtrain/fingerprint/v1", nonce, i)[:8]`` and mix64 is the
+splitmix64 finaliser computed in int64 torch ops. Bit ``r`` of ``h`` is the sign
+of element n in projection r:
+
+    sketch[r] = sum_i sum_n (2 * bit_r(h_in) - 1) * g_i[n]
+
+Integer hashing is exact on every device, so a CPU validator and a GPU miner use
+the very same projection; it is computed in chunks, so the only extra memory is a
+[k, chunk] matrix. The sketch is of the *sum* over the micro-batch's samples of
+per-sample mean-token-loss gradients (what the trainer accumulates).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+FINGERPRINT_VERSION = "dtrain/fingerprint/v1"
+DEFAULT_K = 64
+CHUNK = 1 << 16
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _nonce_bytes(nonce: str | bytes | int) -> bytes:
+    if isinstance(nonce, bytes):
+        return nonce
+    return str(nonce).encode("utf-8")
+
+
+def _param_seed(nonce: str | bytes | int, index: int) -> int:
+    h = hashlib.sha256()
+    for part in (FINGERPRINT_VERSION.encode(), _nonce_bytes(nonce), str(index).encode()):
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return int.from_bytes(h.digest()[:8], "big", signed=True)
+
+
+def _lshr(x: torch.Tensor, s: int) -> torch.Tensor:
+    # logical right shift of int64 (torch's >> is arithmetic on signed ints)
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    x = x * _GOLDEN  # int64 multiply wraps modulo 2**64 on every backend
+    x = (x ^ _lshr(x, 30)) * _M1
+    x = (x ^ _lshr(x, 27)) * _M2
+    return x ^ _lshr(x, 31)
+
+
+def gradient_sketch(
+    grads: Sequence[torch.Tensor | None],
+    nonce: str | bytes | int,
+    k: int = DEFAULT_K,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """k Rademacher projections (float64, on CPU) of the concatenated gradients.
+
+    ``grads`` must be in the model's stable parameter order; a None gradient counts
+    as zeros (and costs nothing).
+    """
+    if not 1 <= k <= 64:
+        raise ValueError("k must be in [1, 64] (one 64-bit hash gives up to 64 signs)")
+    out = None
+    bits = None
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        flat = g.detach().reshape(-1)
+        dev = flat.device
+        if out is None:
+            out = torch.zeros(k, dtype=torch.float64, device=dev)
+            bits = torch.arange(k, device=dev, dtype=torch.int64)
+        seed = _param_seed(nonce, i)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start : start + chunk].float()
+            idx = torch.arange(start, start + part.numel(), device=dev, dtype=torch.int64) + seed
+            h = _mix64(idx)
+            # (h >> r) & 1 is bit r even with an arithmetic shift
+            signs = ((h.unsqueeze(0) >> bits.unsqueeze(1)) & 1).float().mul_(2).sub_(1)
+            out += (signs @ part).double()
+    if out is None:
+        return torch.zeros(k, dtype=torch.float64)
+    return out.cpu()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a miner reports per micro-batch (JSON-friendly via to_dict)."""
+
+    loss: float
+    sketch: tuple[float, ...]
+    samples: int
+    nonce: str = ""
+
+    def to_dict(self) -> dict:
+        return {"loss": self.loss, "sketch": list(self.sketch), "samples": self.samples, "nonce": self.nonce}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Fingerprint":
+        return cls(loss=float(d["loss"]), sketch=tuple(float(x) for x in d["sketch"]),
+                   samples=int(d["samples"]), nonce=str(d.get("nonce", "")))
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Pass thresholds. Defaults leave room for GPU-vs-CPU and bf16-vs-fp32 rounding
+    (measured: same-hardware recomputation is exact; bf16 vs fp32 on CPU gives
+    cosine > 0.999), while another batch, another model or a perturbed gradient
+    falls well below (see tests/test_training_fingerprint.py and docs/training.md)."""
+
+    min_cosine: float = 0.98
+    norm_rtol: float = 0.05
+    loss_atol: float = 0.02
+    loss_rtol: float = 0.01
+
+
+@dataclass(frozen=True)
+class Comparison:
+    passed: bool
+    cosine: float
+    norm_ratio: float
+    loss_diff: float
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+
+
+def compare_fingerprints(claimed: Fingerprint, reference: Fingerprint, tol: Tolerance = Tolerance()) -> Comparison:
+    """Compare a miner's fingerprint with the validator's recomputation.
+
+    Passes when cosine(sketches) >= min_cosine, | |claimed|/|reference| - 1 | <= norm_rtol,
+    |loss diff| <= loss_atol + loss_rtol * |reference loss|, and the sample counts agree.
+    """
+    a = torch.tensor(claimed.sketch, dtype=torch.float64)
+    b = torch.tensor(reference.sketch, dtype=torch.float64)
+    reasons = []
+    if a.shape != b.shape:
+        return Comparison(False, 0.0, 0.0, math.inf, (f"sketch sizes differ: {a.numel()} vs {b.numel()}",))
+    na, nb = float(a.norm()), float(b.norm())
+    finite = all(math.isfinite(x) for x in (na, nb, claimed.loss, reference.loss))
+    if not finite:
+        return Comparison(False, 0.0, 0.0, math.inf, ("non-finite loss or sketch",))
+    cos = float(a @ b) / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+    ratio = na / nb if nb > 0 else (1.0 if na == 0 else math.inf)
+    loss_diff = abs(claimed.loss - reference.loss)
+    if cos < tol.min_cosine:
+        reasons.append(f"cosine {cos:.4f} < {tol.min_cosine}")
+    if abs(ratio - 1) > tol.norm_rtol:
+        reasons.append(f"norm ratio {ratio:.4f} outside 1 +- {tol.norm_rtol}")
+    if loss_diff > tol.loss_atol + tol.loss_rtol * abs(reference.loss):
+        reasons.append(f"loss differs by {loss_diff:.4g}")
+    if claimed.samples != reference.samples:
+        reasons.append(f"samples {claimed.samples} != {reference.samples}")
+    return Comparison(not reasons, cos, ratio, loss_diff, tuple(reasons))

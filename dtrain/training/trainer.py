@@ -1,0 +1,395 @@
+"""The local trainer: micro-batches, gradient accumulation, optimizer step.
+
+The swarm seam: ``accumulate()`` only adds gradients; ``gradients()`` exposes them
+(stable parameter order) with ``accumulated_samples``; a caller may
+``set_gradients()`` (e.g. with the all-reduced average) and then ``step()``, or
+``zero_grad()`` to drop the accumulation. ``flat_parameters()`` /
+``set_flat_parameters()`` serve DiLoCo pseudo-gradients and catch-up loading.
+
+Gradient convention: after accumulating micro-batches of b_1..b_m samples the
+``.grad`` tensors hold  sum_j b_j * grad(mean token loss of micro-batch j), i.e.
+the gradient *summed over samples*. ``step()`` divides by ``accumulated_samples``
+before clipping, so the update uses the per-sample mean however the local batch
+was split. The swarm averages sums and sample counts, which weights peers by
+the samples they actually processed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dtrain.training.errors import TrainerStateError
+from dtrain.training.fingerprint import DEFAULT_K, Fingerprint, gradient_sketch
+
+OPTIMIZERS = ("adamw", "lamb")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class TrainerConfig:
+    micro_batch_size: int = 4
+    local_batch_size: int = 16  # samples per optimizer step in train_step()
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    total_steps: int = 10_000  # cosine reaches min_lr at this inner step
+    min_lr_ratio: float = 0.1
+    grad_clip: float | None = 1.0  # max global L2 norm; None disables clipping
+    precision: str = "auto"  # auto: bf16 autocast on CUDA when supported, else fp32
+    device: str = "cpu"
+
+    def validate(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.micro_batch_size < 1 or self.local_batch_size < 1:
+            raise ValueError("micro_batch_size and local_batch_size must be >= 1")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("warmup_steps must be >= 0 and total_steps >= 1")
+
+
+@dataclass
+class Counters:
+    samples: int = 0  # samples accumulated (locally computed) since the start of the run
+    tokens: int = 0
+    inner_step: int = 0  # optimizer steps taken
+    epoch: int = 0  # set by the caller (the swarm's global epoch)
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    loss: float
+    samples: int
+    fingerprint: Fingerprint | None = None
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    loss: float  # mean micro-batch loss of the accumulation (nan if gradients were set externally only)
+    grad_norm: float  # before clipping
+    lr: float
+    tokens_per_s: float
+    samples: int
+    inner_step: int
+    epoch: int
+    tokens: int
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """'fp32' or 'bf16' for this device ('auto': bf16 on CUDA when supported)."""
+    dev = torch.device(device)
+    if precision == "auto":
+        if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "fp32"
+    return precision
+
+
+def autocast_context(precision: str, device: torch.device | str):
+    dev = torch.device(device)
+    if resolve_precision(precision, dev) == "bf16":
+        return torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at total_steps (flat after)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters in the stable order used for gradients, flat vectors and fingerprints."""
+    return [p for _, p in model.named_parameters() if p.requires_grad]
+
+
+def microbatch_loss(model, input_ids: torch.Tensor, precision: str) -> torch.Tensor:
+    """Mean next-token loss of one micro-batch (labels = inputs; the model shifts)."""
+    with autocast_context(precision, input_ids.device):
+        out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    return out.loss.float()
+
+
+def microbatch_gradients(model, params, input_ids: torch.Tensor, precision: str):
+    """(loss, grads) of one micro-batch without touching ``.grad``; grads are sample-summed.
+
+    Shared by the miner's fingerprinted path and the validator's recomputation so
+    both run the very same computation.
+    """
+    loss = microbatch_loss(model, input_ids, precision)
+    grads = torch.autograd.grad(loss * input_ids.shape[0], params, allow_unused=True)
+    return loss.detach(), grads
+
+
+def build_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
+    # Biases, LayerNorm gains and other 1-D tensors are not decayed (standard GPT-2 recipe).
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if cfg.optimizer == "adamw":
+        kw = {}
+        if torch.device(cfg.device).type == "cuda":
+            kw["fused"] = True
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kw)
+    from dtrain.training.lamb import Lamb
+
+    return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+class Trainer:
+    """Local training of one model replica. See the module docstring for the seam."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TrainerConfig,
+        *,
+        on_metrics: Callable[[StepMetrics], None] | None = None,
+    ):
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model = model.to(self.device)
+        self.model.train()
+        self.precision = resolve_precision(config.precision, self.device)
+        self.params = trainable_parameters(self.model)
+        self.optimizer = build_optimizer(self.params, config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(s, warmup_steps=config.warmup_steps, total_steps=config.total_steps,
+                                min_lr_ratio=config.min_lr_ratio),
+        )
+        self.counters = Counters()
+        self.on_metrics = on_metrics
+        self._acc_samples = 0
+        self._acc_tokens = 0
+        self._acc_loss_sum = 0.0
+        self._acc_microbatches = 0
+        self._t_start: float | None = None
+
+    # ------------------------------------------------------------------ accumulate
+    @property
+    def accumulated_samples(self) -> int:
+        return self._acc_samples
+
+    @property
+    def accumulated_tokens(self) -> int:
+        return self._acc_tokens
+
+    def accumulate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        fingerprint_nonce: str | bytes | int | None = None,
+        fingerprint_k: int = DEFAULT_K,
+    ) -> list[MicroBatchResult]:
+        """Forward/backward ``input_ids`` [B, L] in micro-batches, adding to the gradients.
+
+        With ``fingerprint_nonce`` each micro-batch also gets a gradient Fingerprint
+        (computed as the validator will: ``microbatch_gradients`` then the sketch).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+        x_all = input_ids.to(self.device, non_blocking=True)
+        mb = self.config.micro_batch_size
+        losses: list[torch.Tensor] = []
+        prints: list[Fingerprint | None] = []
+        for start in range(0, x_all.shape[0], mb):
+            x = x_all[start : start + mb]
+            if fingerprint_nonce is None:
+                loss = microbatch_loss(self.model, x, self.precision)
+                (loss * x.shape[0]).backward()
+                loss = loss.detach()
+                prints.append(None)
+            else:
+                loss, grads = microbatch_gradients(self.model, self.params, x, self.precision)
+                sketch = gradient_sketch(grads, fingerprint_nonce, k=fingerprint_k)
+                for p, g in zip(self.params, grads):
+                    if g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+                prints.append((sketch, x.shape[0]))
+            losses.append(loss)
+            self._acc_samples += x.shape[0]
+            self._acc_tokens += x.numel()
+            self.counters.samples += x.shape[0]
+            self.counters.tokens += x.numel()
+        # one host sync per call, not per micro-batch
+        values = torch.stack(losses).tolist() if losses else []
+        self._acc_loss_sum += sum(values)
+        self._acc_microbatches += len(values)
+        out = []
+        for i, (v, fp) in enumerate(zip(values, prints)):
+            n = min(mb, x_all.shape[0] - i * mb)
+            if fp is not None:
+                sketch, samples = fp
+                nonce = fingerprint_nonce.hex() if isinstance(fingerprint_nonce, bytes) else str(fingerprint_nonce)
+                fp = Fingerprint(loss=v, sketch=tuple(sketch.tolist()), samples=samples, nonce=nonce)
+            out.append(MicroBatchResult(loss=v, samples=n, fingerprint=fp))
+        return out
+
+    # ------------------------------------------------------------- gradient access
+    def gradients(self) -> list[torch.Tensor]:
+        """The live ``.grad`` tensors in stable parameter order (zeros where none yet).
+
+        They hold the sample-summed gradient of ``accumulated_samples`` samples.
+        """
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]
+
+    def set_gradients(self, grads: Sequence[torch.Tensor], *, num_samples: int) -> None:
+        """Replace the accumulated gradients (e.g. by the swarm's average).
+
+        ``grads`` follow the same convention: summed over ``num_samples`` samples;
+        pass an already-averaged gradient with ``num_samples=1``.
+        """
+        if len(grads) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} gradient tensors, got {len(grads)}")
+        if num_samples < 1:
+            raise ValueError("num_samples must be >= 1")
+        for p, g in zip(self.params, grads):
+            if g.shape != p.shape:
+                raise ValueError(f"gradient shape {tuple(g.shape)} does not match parameter {tuple(p.shape)}")
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(g)
+        self._acc_samples = num_samples
+
+    def zero_grad(self) -> None:
+        """Drop the accumulation (gradients set to None; counters kept)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._acc_samples = 0
+        self._acc_tokens = 0
+        self._acc_loss_sum = 0.0
+        self._acc_microbatches = 0
+        self._t_start = None
+
+    # ------------------------------------------------------------------------ step
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step(self) -> StepMetrics:
+        """Average the accumulated gradients per sample, clip, apply optimizer and schedule."""
+        if self._acc_samples <= 0:
+            raise TrainerStateError("step() called with no accumulated samples; call accumulate() or set_gradients() first")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self._acc_samples)
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        lr = self.lr
+        self.optimizer.step()
+        self.scheduler.step()
+        self.counters.inner_step += 1
+        elapsed = time.perf_counter() - self._t_start if self._t_start is not None else 0.0
+        loss = self._acc_loss_sum / self._acc_microbatches if self._acc_microbatches else float("nan")
+        metrics = StepMetrics(
+            loss=loss,
+            grad_norm=float(norm),
+            lr=lr,
+            tokens_per_s=self._acc_tokens / elapsed if elapsed > 0 else 0.0,
+            samples=self.counters.samples,
+            inner_step=self.counters.inner_step,
+            epoch=self.counters.epoch,
+            tokens=self.counters.tokens,
+        )
+        self.zero_grad()
+        if self.on_metrics is not None:
+            self.on_metrics(metrics)
+        return metrics
+
+    def train_step(self, input_ids: torch.Tensor) -> StepMetrics:
+        """accumulate(input_ids) then step(): one local optimizer step."""
+        self.accumulate(input_ids)
+        return self.step()
+
+    # ------------------------------------------------------------ flat parameters
+    def flat_parameters(self) -> torch.Tensor:
+        """A detached 1-D copy of all trainable parameters (stable order)."""
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    @torch.no_grad()
+    def set_flat_parameters(self, flat: torch.Tensor) -> None:
+        total = sum(p.numel() for p in self.params)
+        if flat.dim() != 1 or flat.numel() != total:
+            raise ValueError(f"flat parameters must be 1-D with {total} elements, got {tuple(flat.shape)}")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+    # ----------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "counters": asdict(self.counters),
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.config).items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.counters = Counters(**state["counters"])
+        self.zero_grad()
+
+
+def recompute_fingerprints(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    nonce: str | bytes | int,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    k: int = DEFAULT_K,
+    device: str | torch.device | None = None,
+) -> list[Fingerprint]:
+    """The validator's side: per-micro-batch (loss, fingerprint) of ``input_ids``.
+
+    Uses the same micro-batch split and computation as ``Trainer.accumulate``; never
+    changes the model's parameters or its ``.grad`` (gradients come from autograd.grad).
+    """
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    params = trainable_parameters(model)
+    was_training = model.training
+    model.train()  # same mode as the miner (dropout is off in every preset)
+    nonce_str = nonce.hex() if isinstance(nonce, bytes) else str(nonce)
+    out = []
+    try:
+        x_all = input_ids.to(dev)
+        for start in range(0, x_all.shape[0], micro_batch_size):
+            x = x_all[start : start + micro_batch_size]
+            loss, grads = microbatch_gradients(model, params, x, precision)
+            sketch = gradient_sketch(grads, nonce, k=k)
+            out.append(Fingerprint(loss=float(loss), sketch=tuple(sketch.tolist()), samples=x.shape[0], nonce=nonce_str))
+            del grads
+    finally:
+        model.train(was_training)
+    return out
