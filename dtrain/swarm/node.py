@@ -60,7 +60,7 @@ async def _count_peers(_dht, node) -> int:
 
 async def _ping_all(maddrs: Sequence[str], timeout: float, _dht, node) -> int:
     from hivemind.p2p import PeerID
-    from multiaddr import Multiaddr
+    from hivemind.utils.multiaddr import Multiaddr
 
     async def one(maddr: str) -> bool:
         peer = PeerID.from_base58(_peer_id_of(maddr))
@@ -74,7 +74,14 @@ async def _ping_all(maddrs: Sequence[str], timeout: float, _dht, node) -> int:
             return False
 
     results = await asyncio.gather(*(one(m) for m in maddrs))
-    return sum(bool(r) for r in results)
+    answered = sum(bool(r) for r in results)
+    if answered:
+        # like DHTNode's own bootstrap: look ourselves up to fill the routing table beyond the pinged peers
+        try:
+            await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
+        except Exception as exc:
+            logger.debug("swarm: self-lookup after bootstrap failed: %r", exc)
+    return answered
 
 
 async def _ping_peer_ids(peer_ids: Sequence[str], timeout: float, _dht, node) -> dict:
@@ -119,7 +126,21 @@ class SwarmNode:
         if self.config.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.config.announce_maddrs)
         kwargs.update(self.config.extra_dht_kwargs)
-        self.dht = hivemind.DHT(**kwargs)
+        try:
+            self.dht = hivemind.DHT(**kwargs)
+        except Exception as exc:
+            # p2pd itself refuses to start when no bootstrap peer accepts a connection
+            # ("failed to connect to bootstrap peers"). Start isolated instead and let
+            # ensure_connected() dial the initial peers again with backoff.
+            if not kwargs["initial_peers"] or "bootstrap" not in str(exc):
+                raise
+            logger.warning(
+                "swarm: could not connect to any of %d initial peers (%s); starting isolated, will retry",
+                len(kwargs["initial_peers"]),
+                exc,
+            )
+            kwargs["initial_peers"] = []
+            self.dht = hivemind.DHT(**kwargs)
         if self.config.initial_peers and self.num_known_peers() == 0:
             logger.warning(
                 "swarm: none of %d initial peers answered; running alone and retrying in the background of "

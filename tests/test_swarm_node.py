@@ -1,0 +1,69 @@
+"""Identity persistence, bootstrap failure handling and the DHT progress tracker (real DHTs on loopback)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dtrain.swarm.node import NodeConfig, NoPeersReachable, SwarmNode
+from dtrain.swarm.progress import ProgressTracker
+from dtrain.swarm.testing import local_nodes
+
+pytestmark = pytest.mark.slow
+
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def test_identity_survives_restart(tmp_path):
+    cfg = NodeConfig(data_dir=str(tmp_path / "n"), host_maddrs=LOOP)
+    with SwarmNode(cfg) as node:
+        first = node.peer_id
+    assert (tmp_path / "n" / "p2p_identity.key").exists()
+    with SwarmNode(cfg) as node:
+        assert node.peer_id == first
+
+
+def test_unreachable_bootstrap_does_not_crash_and_retries(tmp_path):
+    # a well-formed address nobody listens on (the peer id is a throwaway identity of our own)
+    with SwarmNode(NodeConfig(data_dir=str(tmp_path / "ghost"), host_maddrs=LOOP)) as ghost:
+        ghost_id = ghost.peer_id
+    dead = f"/ip4/127.0.0.1/tcp/9/p2p/{ghost_id}"
+    cfg = NodeConfig(
+        data_dir=str(tmp_path / "n"), host_maddrs=LOOP, initial_peers=[dead], bootstrap_timeout_s=1,
+        retry_initial_s=0.2, retry_max_s=0.4,
+    )
+    retries = []
+    with SwarmNode(cfg) as node:  # starts although nobody answers
+        assert node.num_known_peers() == 0
+        t0 = time.monotonic()
+        with pytest.raises(NoPeersReachable):
+            node.ensure_connected(timeout_s=2.5, on_retry=lambda a, d: retries.append((a, d)))
+        assert time.monotonic() - t0 < 15
+    assert len(retries) >= 2 and retries[1][1] > retries[0][1]  # backoff grows
+
+
+def test_bad_initial_peer_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="/p2p/"):
+        SwarmNode(NodeConfig(data_dir=str(tmp_path), initial_peers=["/ip4/127.0.0.1/tcp/1"])).start()
+
+
+def test_connects_and_progress_tracker():
+    with local_nodes(3) as nodes:
+        assert nodes[1].ensure_connected(timeout_s=10) >= 1
+        trackers = [ProgressTracker(n.dht, "ptest", target_batch_size=100, expiration_s=30) for n in nodes]
+        trackers[0].report(epoch=3, samples_accumulated=40, samples_per_second=10)
+        trackers[1].report(epoch=3, samples_accumulated=500, samples_per_second=5)  # clipped to 100
+        trackers[2].report(epoch=2, samples_accumulated=90)  # a lagging peer
+        nodes[0].dht.store("ptest_progress", subkey="junk", value="not-a-dict", expiration_time=time.time() + 30)
+        deadline = time.monotonic() + 10
+        while True:
+            g = trackers[2].fetch()
+            if g.num_peers == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert g.epoch == 3 and g.num_peers == 2
+        assert g.samples_accumulated == 40 + 100 and g.ready  # 500 was clipped to the target
+        assert trackers[2].is_behind(local_epoch=2) and not trackers[0].is_behind(local_epoch=3)
+        assert len(trackers[0].peers()) == 3  # the junk record is ignored
+        assert g.to_dict()["ready"] is True
