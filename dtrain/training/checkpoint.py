@@ -108,12 +108,17 @@ def save_checkpoint(
     final = d / f"ckpt-{seq:08d}.pt"
     tmp = d / f".{final.name}.tmp-{os.getpid()}"
     payload = {"format": FORMAT, **state}
-    with open(tmp, "wb") as f:
-        w = _HashingWriter(f, on_write)
-        torch.save(payload, w)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as f:
+            w = _HashingWriter(f, on_write)
+            torch.save(payload, w)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        # An interrupted write leaves the previous checkpoint as LATEST; drop the partial file.
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(d)
     entry = {"format": FORMAT, "seq": seq, "file": final.name, "size": w.size, "sha256": w.sha.hexdigest()}
     if prev:

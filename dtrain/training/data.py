@@ -236,7 +236,9 @@ class PageReader:
     def _count_windows(self, s: int) -> int:
         if s not in self._shard_windows:
             n = sum(1 for _ in self._shard(s))
-            self._shard_windows[s] = max(1, -(-n // self.spec.docs_per_page)) if n else 0
+            # complete windows only (a trailing partial window is never a page), but a
+            # shard shorter than one window still yields one (repeated) page
+            self._shard_windows[s] = max(1, n // self.spec.docs_per_page) if n else 0
         return self._shard_windows[s]
 
     @property
@@ -244,10 +246,8 @@ class PageReader:
         if self.spec.windows_per_shard is not None:
             return self.spec.windows_per_shard
         if self._windows_per_shard is None:
-            counts = [self._count_windows(s) for s in range(self.num_shards)]
-            # Only complete windows count, so that every page is a full, distinct window.
-            full = [max(1, c - 1) if c > 1 else c for c in counts]
-            self._windows_per_shard = min(full)
+            # The smallest shard bounds the uniform page grid, so every page is a real window.
+            self._windows_per_shard = min(self._count_windows(s) for s in range(self.num_shards))
             if self._windows_per_shard == 0:
                 raise DataSourceError(f"{self.source.describe()} has an empty shard; remove empty files")
         return self._windows_per_shard

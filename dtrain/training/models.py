@@ -78,7 +78,13 @@ def get_preset(name: str) -> ModelPreset:
         ) from None
 
 
-def preset_config(name: str, *, vocab_size: int = GPT2_VOCAB_SIZE, n_positions: int | None = None):
+def preset_config(
+    name: str,
+    *,
+    vocab_size: int = GPT2_VOCAB_SIZE,
+    n_positions: int | None = None,
+    eos_token_id: int | None = None,
+):
     """The GPT2Config of a preset (dropout off, tied embeddings)."""
     from transformers import GPT2Config
 
@@ -89,8 +95,9 @@ def preset_config(name: str, *, vocab_size: int = GPT2_VOCAB_SIZE, n_positions: 
         n_embd=p.n_embd,
         n_layer=p.n_layer,
         n_head=p.n_head,
-        bos_token_id=vocab_size - 1 if vocab_size == GPT2_VOCAB_SIZE else 0,
-        eos_token_id=vocab_size - 1 if vocab_size == GPT2_VOCAB_SIZE else 0,
+        # GPT-2's <|endoftext|> is the last id; the shipped tokenizer puts it at 0
+        bos_token_id=eos_token_id if eos_token_id is not None else vocab_size - 1,
+        eos_token_id=eos_token_id if eos_token_id is not None else vocab_size - 1,
         tie_word_embeddings=True,
         **_NO_DROPOUT,
     )
@@ -101,6 +108,7 @@ def create_model(
     *,
     vocab_size: int = GPT2_VOCAB_SIZE,
     n_positions: int | None = None,
+    eos_token_id: int | None = None,
     seed: int = 0,
 ):
     """A freshly initialised GPT2LMHeadModel for ``preset``.
@@ -111,10 +119,17 @@ def create_model(
     import torch
     from transformers import GPT2LMHeadModel
 
-    config = preset_config(preset, vocab_size=vocab_size, n_positions=n_positions)
+    config = preset_config(preset, vocab_size=vocab_size, n_positions=n_positions, eos_token_id=eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(config)
+    return _plain_causal_lm_loss(model)
+
+
+def _plain_causal_lm_loss(model):
+    # transformers cannot infer the loss from the class name "GPT2LMHeadModel" and
+    # warns; name the standard shifted cross-entropy explicitly (same computation).
+    model.loss_type = "ForCausalLM"
     return model
 
 
@@ -134,7 +149,7 @@ def load_pretrained_model(
     from transformers import GPT2LMHeadModel
 
     try:
-        return GPT2LMHeadModel.from_pretrained(
+        model = GPT2LMHeadModel.from_pretrained(
             model_id,
             revision=revision,
             local_files_only=local_files_only,
@@ -149,6 +164,7 @@ def load_pretrained_model(
             "is reachable (HF_ENDPOINT, network), or configure a built-in preset "
             f"({', '.join(PRESETS)})."
         ) from exc
+    return _plain_causal_lm_loss(model)
 
 
 def count_parameters(model, *, trainable_only: bool = False) -> int:
