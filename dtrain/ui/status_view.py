@@ -1,0 +1,94 @@
+"""``dtrain status`` view, rendered from the same plain dict that ``--json`` prints.
+
+Building from the JSON document (not from live objects) keeps the two outputs in step: what the
+table shows is exactly what a script would read.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from dtrain.ui.console import fmt_num, short_hotkey, short_id
+from dtrain.ui.dashboard import as_snapshot, health_line, progress_row, rounds_table
+
+
+def _header(doc: Mapping[str, Any]) -> RenderableType:
+    g = doc.get("global") or {}
+    head = Text()
+    head.append(f"{doc.get('network') or '?'}", style="bold")
+    head.append(f"  netuid {doc.get('netuid', '?')}")
+    head.append(f"  block {doc['block']:,}" if isinstance(doc.get("block"), int) else
+                f"  block {doc.get('block') if doc.get('block') is not None else '—'}")
+    head.append(f"  global epoch {g.get('epoch', '—')}", style="bold cyan")
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(head)
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(Text("samples toward target batch"), progress_row(g.get("samples"), g.get("target_batch")))
+    grid.add_row(bar)
+    return grid
+
+
+def miners_status_table(miners: list[Mapping[str, Any]]) -> Table:
+    t = Table(title="Miners", box=box.SIMPLE_HEAD, title_justify="left")
+    for name, just in (("uid", "right"), ("hotkey", "left"), ("api", "left"), ("peer id", "left"),
+                       ("epoch", "right"), ("stake", "right"), ("weight", "right"), ("vpermit", "center")):
+        t.add_column(name, justify=just)  # type: ignore[arg-type]
+    for m in sorted(miners, key=lambda m: (m.get("uid") is None, m.get("uid") or 0)):
+        weight = m.get("weight")
+        t.add_row(str(m.get("uid", "—")), short_hotkey(m.get("hotkey")),
+                  m.get("api") or Text("no commitment", style="dim"), short_id(m.get("peer_id")),
+                  "—" if m.get("epoch") is None else str(m.get("epoch")), fmt_num(m.get("stake"), 6),
+                  "—" if weight is None else f"{float(weight):.4f}",
+                  Text("✓", style="green") if m.get("validator_permit") else "")
+    if not miners:
+        t.add_row(Text("no miners registered", style="dim"), *[""] * 7)
+    return t
+
+
+def validators_status_table(validators: list[Mapping[str, Any]]) -> Table:
+    t = Table(title="Validators", box=box.SIMPLE_HEAD, title_justify="left")
+    t.add_column("uid", justify="right")
+    t.add_column("hotkey")
+    t.add_column("stake", justify="right")
+    for v in sorted(validators, key=lambda v: (v.get("uid") is None, v.get("uid") or 0)):
+        t.add_row(str(v.get("uid", "—")), short_hotkey(v.get("hotkey")), fmt_num(v.get("stake"), 6))
+    if not validators:
+        t.add_row(Text("no validators", style="dim"), "", "")
+    return t
+
+
+def local_health(local: Mapping[str, Any], now: float | None = None) -> Panel:
+    """This node's own view: identity, progress and service health (from its status file)."""
+    s = as_snapshot(local)
+    now = time.time() if now is None else now
+    line = Text()
+    line.append(f"{s.role} uid {s.uid if s.uid is not None else '—'}", style="bold")
+    line.append(f"  state {s.state}  epoch {s.epoch}  inner step {s.inner_step}")
+    line.append(f"  loss {fmt_num(s.loss)}")
+    push = Text("last push ", style="bold")
+    push.append(s.last_push or "none yet", style="" if s.last_push else "dim")
+    ok = s.chain.ok and s.hub.ok
+    return Panel(Group(line, health_line("chain", s.chain, now), health_line("hub", s.hub, now), push),
+                 title="this node", title_align="left", border_style="green" if ok else "red")
+
+
+def render_status(doc: Mapping[str, Any], now: float | None = None) -> RenderableType:
+    """The full ``dtrain status`` screen."""
+    parts: list[RenderableType] = []
+    if doc.get("chain_error"):
+        parts.append(Panel(Text(str(doc["chain_error"]), style="red"), title="chain unreachable",
+                           title_align="left", border_style="red"))
+    parts.append(_header(doc))
+    parts.append(miners_status_table(list(doc.get("miners") or [])))
+    parts.append(validators_status_table(list(doc.get("validators") or [])))
+    parts.append(rounds_table(list(doc.get("rounds") or []), title="Recent all-reduce rounds"))
+    if doc.get("local"):
+        parts.append(local_health(doc["local"], now))
+    return Group(*parts)
