@@ -88,8 +88,13 @@ def run_local_training(
     checkpoint_every: int = 0,
     on_step: Callable[[StepMetrics, LoopState], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    checkpoint_on_write: Callable[[int], None] | None = None,
 ) -> LoopState:
-    """Train ``steps`` local optimizer steps on the miner's assigned pages."""
+    """Train ``steps`` local optimizer steps on the miner's assigned pages.
+
+    Saves a checkpoint every ``checkpoint_every`` inner steps (0: never);
+    ``checkpoint_on_write(bytes)`` reports checkpoint write progress.
+    """
     num_pages = reader.num_pages
     for _ in range(steps):
         if should_stop is not None and should_stop():
@@ -101,5 +106,5 @@ def run_local_training(
         if on_step is not None:
             on_step(metrics, loop)
         if checkpoint_dir is not None and checkpoint_every and trainer.counters.inner_step % checkpoint_every == 0:
-            save_checkpoint(checkpoint_dir, training_state(trainer, loop))
+            save_checkpoint(checkpoint_dir, training_state(trainer, loop), on_write=checkpoint_on_write)
     return loop
