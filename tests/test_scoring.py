@@ -21,6 +21,7 @@ from dtrain.validation.scoring import (
     RoundStatus,
     ScoringConfig,
     TrainCheck,
+    check_from_comparison,
     combine,
     combined_scores,
     gradient_score,
@@ -365,3 +366,12 @@ def test_adversary_that_was_honest_before_decays():
         ema = update_ema(ema, combined_scores(s), hot, cfg.ema_alpha)
     w = compute_weights(ema.scores)
     assert w[1] <= 0.25 * w[0]
+
+
+def test_check_from_comparison_duck_typed():
+    class Cmp:  # shape of dtrain.training.fingerprint.Comparison
+        passed, cosine, norm_ratio, loss_diff = True, 0.998, 1.0, 0.02
+
+    c = check_from_comparison(Cmp(), reference_loss=4.0)
+    assert c == MicroBatchCheck(True, 0.998, 0.005)
+    assert check_from_comparison(Cmp(), reference_loss=0.0).loss_rel_err == math.inf

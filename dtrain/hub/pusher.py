@@ -25,7 +25,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from dtrain.hub.base import ModelStore, ProgressCallback, PushResult, StoreError, folder_files, log
+from dtrain.hub.base import (
+    ModelStore,
+    ProgressCallback,
+    ProgressEvent,
+    PushResult,
+    StoreError,
+    emit,
+    folder_files,
+    log,
+)
 from dtrain.hub.tags import parse_tag
 
 _PREFIX = "snap-"
@@ -228,6 +237,7 @@ class BackgroundPusher:
                 self._s.snapshotting = tag
                 self._refresh_pending()
             old: _Snap | None = None
+            emit(self.progress, ProgressEvent("snapshot", message=f"{tag} from {src}"))
             try:
                 path = self._snapshot(src, tag)
             except Exception as e:  # noqa: BLE001 - reported in the status, thread stays alive

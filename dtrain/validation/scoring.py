@@ -63,6 +63,18 @@ class MicroBatchCheck:
     loss_rel_err: float
 
 
+def check_from_comparison(cmp: object, reference_loss: float) -> MicroBatchCheck:
+    """Adapt a ``dtrain.training.fingerprint.Comparison`` (duck-typed: ``passed``,
+    ``cosine``, absolute ``loss_diff``) and the validator's own loss for that micro-batch.
+
+    Duck typing keeps torch (which the training package imports) out of scoring.
+    """
+    loss_diff = abs(float(getattr(cmp, "loss_diff")))
+    ref = abs(float(reference_loss))
+    rel = loss_diff / ref if ref > 1e-12 else (0.0 if loss_diff == 0 else math.inf)
+    return MicroBatchCheck(passed=bool(getattr(cmp, "passed")), similarity=float(getattr(cmp, "cosine")), loss_rel_err=rel)
+
+
 @dataclass(frozen=True)
 class TrainCheck:
     """Result of the Train query for one miner in one round.
