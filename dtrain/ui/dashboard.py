@@ -118,14 +118,17 @@ def peer_outcomes(peers: Iterable[Mapping[str, Any]], local_peer_id: str = "") -
 def rounds_table(rounds: list[Mapping[str, Any]], limit: int = MAX_ROUNDS_SHOWN,
                  title: str | None = "Last rounds") -> Table:
     """Most recent round records first (RoundRecord.to_dict() form)."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, expand=False, title_justify="left")
-    table.add_column("round")
-    table.add_column("dur", justify="right")
-    table.add_column("group", justify="right")
-    table.add_column("outcomes")
-    table.add_column("sent", justify="right")
-    table.add_column("recv", justify="right")
-    table.add_column("averaged", justify="right")
+    # Only the outcomes column may wrap: on an 80-column terminal Rich then narrows it (a reason
+    # moves to the next line) instead of squeezing byte counts into "3…".
+    table = Table(title=title, box=box.SIMPLE_HEAD, expand=False, title_justify="left", padding=(0, 1),
+                  collapse_padding=True, pad_edge=False)
+    table.add_column("round", no_wrap=True)
+    table.add_column("dur", justify="right", no_wrap=True)
+    table.add_column("group", justify="right", no_wrap=True)
+    table.add_column("outcomes", overflow="fold")
+    table.add_column("sent", justify="right", no_wrap=True)
+    table.add_column("recv", justify="right", no_wrap=True)
+    table.add_column("averaged", justify="right", no_wrap=True)
     for r in list(rounds)[-limit:][::-1]:
         error = str(r.get("error") or "")
         rid = str(r.get("round_id") or r.get("round") or "")
@@ -150,16 +153,26 @@ def rounds_table(rounds: list[Mapping[str, Any]], limit: int = MAX_ROUNDS_SHOWN,
     return table
 
 
-def miners_table(rows: list[MinerRow], title: str | None = "Miners (this validator's view)") -> Table:
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    for name in ("uid", "hotkey", "gradient", "steps", "bandwidth", "allreduce", "score", "EMA", "weight",
-                 "last outcome", "note"):
-        table.add_column(name, justify="right" if name not in ("hotkey", "last outcome", "note") else "left")
-    for m in sorted(rows, key=lambda r: r.uid):
-        table.add_row(str(m.uid), short_hotkey(m.hotkey), fmt_num(m.gradient, 3), fmt_num(m.steps, 3),
-                      fmt_num(m.bandwidth, 3), fmt_num(m.allreduce, 3), fmt_num(m.score, 3), fmt_num(m.ema, 3),
+MAX_MINERS_SHOWN = 64  # a finney validator sees 256 uids; a terminal does not fit them all
+
+
+def miners_table(rows: list[MinerRow], title: str | None = "Miners (this validator's view)",
+                 limit: int = MAX_MINERS_SHOWN) -> Table:
+    """Score components, EMA, weight and last outcome per miner, by uid."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", padding=0, pad_edge=False)
+    for name in ("uid", "hotkey", "grad", "steps", "bw", "ar", "score", "EMA", "weight"):
+        table.add_column(name, justify="left" if name == "hotkey" else "right", no_wrap=True)
+    table.add_column("last outcome", overflow="ellipsis", min_width=7)  # wrappable: narrowed first
+    table.add_column("note", overflow="fold")
+    ordered = sorted(rows, key=lambda r: r.uid)
+    for m in ordered[:limit]:
+        table.add_row(str(m.uid), short_hotkey(m.hotkey, 4), f"{m.gradient:.2f}", f"{m.steps:.2f}",
+                      f"{m.bandwidth:.2f}", f"{m.allreduce:.2f}", f"{m.score:.3f}", f"{m.ema:.3f}",
                       f"{m.weight:.4f}", outcome_text(m.last_outcome) if m.last_outcome else Text("—", style="dim"),
                       Text(m.note or "", style="yellow"))
+    if len(ordered) > limit:
+        table.add_row("…", Text(f"{len(ordered) - limit} more (dtrain status --json lists all)", style="dim"),
+                      *[""] * 9)
     if not rows:
         table.add_row(Text("no miners scored yet", style="dim"), *[""] * 10)
     return table
@@ -169,17 +182,17 @@ def miners_table(rows: list[MinerRow], title: str | None = "Miners (this validat
 
 
 def _header(s: Snapshot, now: float) -> Text:
+    # Two short lines rather than one long one, so an 80-column terminal does not wrap mid-field.
     state_style = {"training": "green", "averaging": "cyan", "stopping": "yellow", "error": "bold red"}
     t = Text()
     t.append(f" {s.role.upper()} ", style="bold reverse")
     t.append(f"  uid {s.uid if s.uid is not None else '—'}", style="bold")
     t.append(f"  hotkey {short_hotkey(s.hotkey)}")
     t.append(f"  {s.network or '?'}/{s.netuid}")
-    t.append(f"  peer {short_id(s.peer_id)}")
-    t.append(f"  api {s.api or '—'}")
-    t.append(f"  up {duration(now - s.started_at) if s.started_at else '—'}")
     t.append("  state ")
     t.append(s.state, style=state_style.get(s.state, "bold"))
+    t.append(f"\n peer {short_id(s.peer_id)}  api {s.api or '—'}"
+             f"  up {duration(now - s.started_at) if s.started_at else '—'}", style="dim")
     return t
 
 
@@ -224,28 +237,31 @@ def _swarm_panel(s: Snapshot, now: float) -> Panel:
     return Panel(Group(*parts), title="swarm", title_align="left", border_style="cyan")
 
 
-def _status_panel(s: Snapshot, now: float) -> Panel:
-    lines: list[RenderableType] = [health_line("chain", s.chain, now), health_line("hub", s.hub, now)]
+def _health_panel(s: Snapshot, now: float) -> Panel:
     push = Text("last push ", style="bold")
     push.append(s.last_push or "none yet", style="" if s.last_push else "dim")
-    lines.append(push)
-    if s.events:
-        lines.append(Text("recent events", style="bold"))
-        for e in s.events[-MAX_EVENTS_SHOWN:]:
-            lines.append(Text(f"  {e}", style="dim" if "error" not in e.lower() else "red"))
-    return Panel(Group(*lines), title="health", title_align="left",
-                 border_style="green" if s.chain.ok and s.hub.ok else "red")
+    return Panel(Group(health_line("chain", s.chain, now), health_line("hub", s.hub, now), push), title="health",
+                 title_align="left", border_style="green" if s.chain.ok and s.hub.ok else "red")
+
+
+def _events_panel(s: Snapshot) -> Panel:
+    lines = [Text(e, style="red" if "error" in e.lower() or "fail" in e.lower() else "")
+             for e in s.events[-MAX_EVENTS_SHOWN:]] or [Text("none yet", style="dim")]
+    return Panel(Group(*lines), title="recent events", title_align="left", border_style="dim")
 
 
 def render_neuron(snapshot: Snapshot | Mapping[str, Any], now: float | None = None) -> RenderableType:
     """The whole neuron view. ``now`` is injectable so ages render deterministically in tests."""
     s = as_snapshot(snapshot)
     now = time.time() if now is None else now
-    parts: list[RenderableType] = [_header(s, now), _training_panel(s), _swarm_panel(s, now)]
+    # Health sits right under the header: Live cuts a too-tall frame at the bottom, and an outage
+    # must stay visible even when a validator's miner table is long.
+    parts: list[RenderableType] = [_header(s, now), _health_panel(s, now), _training_panel(s),
+                                   _swarm_panel(s, now)]
     if s.role == "validator":
         parts.append(Panel(miners_table(s.miners, title=None), title="miners", title_align="left",
                            border_style="magenta"))
-    parts.append(_status_panel(s, now))
+    parts.append(_events_panel(s))
     return Group(*parts)
 
 
