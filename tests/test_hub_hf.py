@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.hub.base import StoreAuthError, StoreError
+from dtrain.hub.base import StoreAuthError, StoreError, StoreNotFoundError
 from dtrain.hub.hf import HfStore, parse_hf_target
 from dtrain.hub.retry import RetryPolicy
 from dtrain.hub.targets import open_store
@@ -33,7 +33,10 @@ _ROUTES = [
     ("preupload", "POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$")),
     ("commit", "POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)$")),
     ("tag", "POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tag/(?P<rev>[^/]+)$")),
-    ("info", "GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(/revision/[^/]+)?$")),
+    ("tree", "GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(/.*)?$")),
+    ("info", "GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(/revision/(?P<rev>[^/]+))?$")),
+    ("resolve", "GET", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")),
+    ("resolve", "HEAD", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")),
 ]
 
 
@@ -55,6 +58,9 @@ class FakeHub:
 
             def do_POST(self):
                 self._handle("POST")
+
+            def do_HEAD(self):
+                self._handle("HEAD")
 
             def _json(self, code, obj, headers=None):
                 body = json.dumps(obj).encode()
@@ -94,7 +100,7 @@ class FakeHub:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     # -- endpoint handlers
     def _repo(self, h, repo):
@@ -113,10 +119,50 @@ class FakeHub:
             self.repos[repo] = {"files": {}, "head": "0" * 40, "tags": {}}
         h._json(200, {"url": f"{self.url}/{repo}"})
 
+    def _files_at(self, h, repo, rev):
+        """(sha, files) of a revision (branch main, tag or commit), or None after a 404."""
+        from urllib.parse import unquote
+
+        r = self._repo(h, repo)
+        if r is None:
+            return None
+        rev = unquote(rev or "main")
+        sha = r["head"] if rev == "main" else r["tags"].get(rev, rev)
+        files = r.get("snapshots", {}).get(sha)
+        if files is None:
+            h._json(404, {"error": "Revision not found"}, {"X-Error-Code": "RevisionNotFound"})
+            return None
+        return sha, files
+
     def _info(self, h, m, body):
-        r = self._repo(h, m["repo"])
-        if r is not None:
-            h._json(200, {"id": m["repo"], "sha": r["head"], "siblings": []})
+        got = self._files_at(h, m["repo"], m["rev"])
+        if got is not None:
+            sha, files = got
+            h._json(200, {"id": m["repo"], "sha": sha, "siblings": [{"rfilename": p} for p in files]})
+
+    def _tree(self, h, m, body):
+        got = self._files_at(h, m["repo"], m["rev"])
+        if got is not None:
+            h._json(200, [{"type": "file", "path": p, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                          for p, b in sorted(got[1].items())])
+
+    def _resolve(self, h, m, body):
+        from urllib.parse import unquote
+
+        got = self._files_at(h, m["repo"], m["rev"])
+        if got is None:
+            return
+        sha, files = got
+        data = files.get(unquote(m["file"]))
+        if data is None:
+            return h._json(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(data)))
+        h.send_header("X-Repo-Commit", sha)
+        h.send_header("ETag", f'"{hashlib.sha1(data).hexdigest()}"')
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)
 
     def _refs(self, h, m, body):
         r = self._repo(h, m["repo"])
@@ -295,3 +341,17 @@ def test_hf_endpoint_and_hf_token_from_environment(hub, ckpt, tmp_path):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert hub.repos["bob/model"]["tags"]["envrun.0.1"] == out.stdout.strip()
+
+
+def test_fetch_tag_through_snapshot_download(hub, ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    store = _store(hub, [])
+    store.push(ckpt, "run1.0.1")
+    (ckpt / "config.json").write_text('{"n_layer": 9}')
+    store.push(ckpt, "run1.0.2")
+    out = store.fetch("run1.0.1", tmp_path / "dl")
+    assert (out / "config.json").read_text() == '{"n_layer": 2}'
+    assert (out / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+    assert (out / "sub" / "optimizer.bin").exists()
+    with pytest.raises(StoreNotFoundError):
+        store.fetch("run1.9.9", tmp_path / "dl2")
