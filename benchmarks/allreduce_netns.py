@@ -103,7 +103,7 @@ class NetnsLab:
         return subprocess.Popen(
             ["ip", "netns", "exec", self.peer_ns[i], *argv],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=None if os.environ.get("DTRAIN_NETNS_DEBUG") else subprocess.DEVNULL,
             text=True,
             start_new_session=True,  # its own process group: killpg takes p2pd down with it
         )
@@ -183,8 +183,12 @@ def worker(args) -> int:
                         seconds = timed(swarm._step)
                         th.join()
                         rec = box["rec"]
-                        err = float((data.double() - expected).abs().max())
+                        diff = (data.double() - expected).abs()
+                        err = float(diff.max())
+                        bad = (diff > 1e-5).nonzero().flatten()
                         out.append(dict(impl=impl, round=r, seconds=seconds, inner_allreduce_s=rec.allreduce_s,
+                                        n_bad=int(bad.numel()), bad_range=[int(bad.min()), int(bad.max())] if bad.numel() else [],
+                                        local_equal=int((data == mine).sum()), peers_in_record=[(p.outcome.value, p.reason) for p in rec.peers],
                                         ok=not rec.error and rec.fraction_averaged == 1.0, max_abs_error=err,
                                         bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received))
                         swarm._step = None
@@ -209,6 +213,8 @@ def worker(args) -> int:
                 finally:
                     avg.shutdown()
         print("RESULT " + json.dumps(out), flush=True)
+        if os.environ.get("DTRAIN_NETNS_DEBUG"):
+            print(json.dumps(out), file=sys.stderr)
         return 0
     finally:
         node.shutdown()
