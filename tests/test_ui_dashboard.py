@@ -176,3 +176,29 @@ def test_miner_view_has_no_miner_table_and_dict_snapshot_renders_the_same():
     assert "no group" in text and "could not find a group" in text
     assert render_text(render_neuron(snap.to_dict(), now=now)) == text
     assert as_snapshot(snap.to_dict()).chain.ok is True
+
+
+def test_live_dashboard_accepts_any_source_callable():
+    """``dtrain status --watch`` drives the same Live wrapper from a document fetcher."""
+    from dtrain.ui.status_view import render_status
+
+    fetched = []
+
+    def fetch() -> dict:
+        fetched.append(1)
+        return {"network": "sandbox", "netuid": 38, "block": len(fetched), "global": {}, "miners": [],
+                "validators": [], "rounds": []}
+
+    console = Console(record=True, width=100)
+    with LiveDashboard(fetch, console=console, render=render_status, refresh_hz=50, redirect=False) as dash:
+        assert dash.wait_frames(3)
+    assert len(fetched) >= 4  # >= 3 frames plus the final one at stop
+    assert f"block {len(fetched)}" in console.export_text()
+
+
+def test_validator_miner_table_is_capped():
+    from dtrain.ui.dashboard import miners_table
+
+    rows = [MinerRow(uid=u, hotkey=f"5H{u:04d}" * 6, weight=u / 1000) for u in range(100)]
+    text = render_text(miners_table(rows, limit=10))
+    assert "90 more" in text and re.search(r"^\s*9\s", text, re.M) and not re.search(r"^\s*10\s", text, re.M)

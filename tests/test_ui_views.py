@@ -94,7 +94,7 @@ def test_summary_passes_when_adversary_is_held_down():
     assert "PASS" in text and "FAIL " not in text
     assert "10.8 → 7.1" in text and "▁" in text and "█" in text and "┤" in text  # sparkline and text plot
     assert "rounds 1/2 succeeded" in text and "4:WRONG_MODEL" in text and "3.0 MiB" in text
-    order = [int(m.group(1)) for m in re.finditer(r"^\s+(\d)\s+5(?:Hone|Chea)", text, re.M)]
+    order = [int(m.group(1)) for m in re.finditer(r"^\s+(\d)\s+5(?:Hon|Che)", text, re.M)]
     assert order == [1, 2, 3, 4]  # by weight, heaviest first
     assert "wrong_model" in text and "⚠" not in text
 
@@ -105,7 +105,7 @@ def test_summary_fails_and_names_the_adversary_that_slipped_through():
     assert not ok and "uid 4 (wrong_model)" in why and "0.1000" in why
     text = text_of(render_summary(doc))
     assert "FAIL uid 4" in text and "0.1000 ⚠" in text
-    order = [int(m.group(1)) for m in re.finditer(r"^\s+(\d)\s+5(?:Hone|Chea)", text, re.M)]
+    order = [int(m.group(1)) for m in re.finditer(r"^\s+(\d)\s+5(?:Hon|Che)", text, re.M)]
     assert order == [1, 2, 3, 4]
 
 

@@ -106,3 +106,17 @@ def fmt_num(value: Any, digits: int = 4) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return f"{f:.{digits}g}"
+
+
+def compact_table(title: str | None = None, **kwargs: Any) -> "Table":
+    """The table style every view shares: light rules, one space between columns, left title.
+
+    Tight padding matters because operators run these on 80-column terminals and tmux panes.
+    """
+    from rich import box
+    from rich.table import Table
+
+    opts: dict[str, Any] = dict(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
+                                title_justify="left")
+    opts.update(kwargs)
+    return Table(title=title, **opts)

@@ -271,19 +271,26 @@ def render_neuron(snapshot: Snapshot | Mapping[str, Any], now: float | None = No
 class LiveDashboard:
     """``with LiveDashboard(telemetry): run()`` — redraws from snapshots in its own thread.
 
+    ``source`` is a Telemetry (its ``snapshot()`` is read) or any zero-argument callable whose
+    result ``render`` draws, e.g. ``LiveDashboard(fetch_status_doc, render=render_status,
+    refresh_hz=1 / interval)`` for ``dtrain status --watch``; a slow fetch then delays frames,
+    never the caller.
+
     Frames are counted in ``frames`` (tests wait on it rather than on the clock). A render
     error is shown in place of the frame instead of killing the thread, because the
     operator still needs the process (and its training) to keep going.
     """
 
-    def __init__(self, telemetry: Telemetry, *, console: Console | None = None, refresh_hz: float = 4.0,
-                 render: Callable[[Snapshot], RenderableType] = render_neuron, transient: bool = False,
-                 screen: bool = False, redirect: bool = True):
+    def __init__(self, source: Telemetry | Callable[[], Any], *, console: Console | None = None,
+                 refresh_hz: float = 4.0, render: Callable[[Any], RenderableType] = render_neuron,
+                 transient: bool = False, screen: bool = False, redirect: bool = True):
         from rich.live import Live
 
-        self.telemetry = telemetry
+        self.source = source
+        snapshot = getattr(source, "snapshot", None)
+        self._read: Callable[[], Any] = snapshot if callable(snapshot) else source  # type: ignore[assignment]
         self.render = render
-        self.interval = 1.0 / max(0.1, float(refresh_hz))
+        self.interval = 1.0 / max(0.01, float(refresh_hz))  # status --watch may refresh every 100 s
         self.frames = 0
         self.last_error: str | None = None
         self._stop = threading.Event()
@@ -300,7 +307,7 @@ class LiveDashboard:
 
     def _frame(self) -> RenderableType:
         try:
-            out = self.render(self.telemetry.snapshot())
+            out = self.render(self._read())
             self.last_error = None
             return out
         except Exception as exc:  # noqa: BLE001 - a display bug must not take the neuron down

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterable, Mapping
 
-from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn,
@@ -19,7 +18,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from dtrain.ui.console import fmt_num, stderr_console
+from dtrain.ui.console import compact_table, fmt_num, stderr_console
 
 FRACTION_SCALE = 1000  # a (stage, fraction) report is drawn as done/1000
 
@@ -101,7 +100,7 @@ def benchmark_table(results: Iterable[Mapping[str, Any]]) -> Table:
     ``busbw_mb_s``, ``bound_s``). The bound is the minimum time the link allows, so
     efficiency = bound / measured seconds (1.0 = running at link speed).
     """
-    t = Table(title="Bandwidth benchmark", box=box.SIMPLE_HEAD, title_justify="left")
+    t = compact_table("Bandwidth benchmark")
     for name in ("peers", "size (MiB)", "seconds", "algbw (MiB/s)", "busbw (MiB/s)", "max |err|", "bound (s)",
                  "efficiency"):
         t.add_column(name, justify="right")

@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from dtrain.ui.console import fmt_num, short_hotkey, short_id
+from dtrain.ui.console import compact_table, fmt_num, short_hotkey, short_id
 from dtrain.ui.dashboard import as_snapshot, health_line, progress_row, rounds_table
 
 
@@ -36,10 +35,11 @@ def _header(doc: Mapping[str, Any]) -> RenderableType:
 
 
 def miners_status_table(miners: list[Mapping[str, Any]]) -> Table:
-    t = Table(title="Miners", box=box.SIMPLE_HEAD, title_justify="left")
+    t = compact_table("Miners")
     for name, just in (("uid", "right"), ("hotkey", "left"), ("api", "left"), ("peer id", "left"),
                        ("epoch", "right"), ("stake", "right"), ("weight", "right"), ("vpermit", "center")):
-        t.add_column(name, justify=just)  # type: ignore[arg-type]
+        # Only the API address may shrink (with "…"); ids and numbers stay whole.
+        t.add_column(name, justify=just, no_wrap=name != "api", overflow="ellipsis")  # type: ignore[arg-type]
     for m in sorted(miners, key=lambda m: (m.get("uid") is None, m.get("uid") or 0)):
         weight = m.get("weight")
         t.add_row(str(m.get("uid", "—")), short_hotkey(m.get("hotkey")),
@@ -53,7 +53,7 @@ def miners_status_table(miners: list[Mapping[str, Any]]) -> Table:
 
 
 def validators_status_table(validators: list[Mapping[str, Any]]) -> Table:
-    t = Table(title="Validators", box=box.SIMPLE_HEAD, title_justify="left")
+    t = compact_table("Validators")
     t.add_column("uid", justify="right")
     t.add_column("hotkey")
     t.add_column("stake", justify="right")

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
-from rich.table import Table
 from rich.text import Text
 
-from dtrain.ui.console import duration, fmt_num, human_bytes, short_hotkey
+from dtrain.ui.console import compact_table, duration, fmt_num, human_bytes, short_hotkey
 from dtrain.ui.dashboard import outcome_text
 from dtrain.ui.sparkline import sparkline, text_plot
 
@@ -71,11 +69,11 @@ def _outcomes(outcomes: Mapping[Any, Any]) -> Text:
     return text
 
 
-def _rounds_table(rounds: list[Mapping[str, Any]]) -> Table:
-    t = Table(title="Rounds", box=box.SIMPLE_HEAD, title_justify="left")
-    for name, just in (("round", "right"), ("status", "left"), ("participants", "right"), ("duration", "right"),
+def _rounds_table(rounds: list[Mapping[str, Any]]) -> RenderableType:
+    t = compact_table("Rounds")
+    for name, just in (("round", "right"), ("status", "left"), ("peers", "right"), ("duration", "right"),
                        ("bytes", "right"), ("outcomes (uid:outcome)", "left")):
-        t.add_column(name, justify=just)  # type: ignore[arg-type]
+        t.add_column(name, justify=just, no_wrap=not name.startswith("outcomes"))  # type: ignore[arg-type]
     for r in rounds:
         status = str(r.get("status", ""))
         participants = r.get("participants")
@@ -89,7 +87,7 @@ def _rounds_table(rounds: list[Mapping[str, Any]]) -> Table:
     return t
 
 
-def _miners_table(miners: list[Mapping[str, Any]], ratio: float) -> Table:
+def _miners_table(miners: list[Mapping[str, Any]], ratio: float) -> RenderableType:
     honest_weights = [float(m.get("weight") or 0.0) for m in miners if str(m.get("kind", "honest")) == "honest"]
     bound = ratio * min(honest_weights) if honest_weights else None
     comp_keys: list[str] = []
@@ -97,14 +95,14 @@ def _miners_table(miners: list[Mapping[str, Any]], ratio: float) -> Table:
         for k in (m.get("components") or {}):
             if k not in comp_keys:
                 comp_keys.append(str(k))
-    t = Table(title="Miners by weight", box=box.SIMPLE_HEAD, title_justify="left")
-    t.add_column("uid", justify="right")
-    t.add_column("hotkey")
-    t.add_column("kind")
-    t.add_column("score", justify="right")
-    t.add_column("weight", justify="right")
-    for k in comp_keys:
-        t.add_column(k, justify="right")
+    t = compact_table("Miners by weight")
+    t.add_column("uid", justify="right", no_wrap=True)
+    t.add_column("hotkey", no_wrap=True)
+    t.add_column("kind", no_wrap=True)
+    t.add_column("score", justify="right", no_wrap=True)
+    t.add_column("weight", justify="right", no_wrap=True)
+    for k in comp_keys:  # score components shrink first on a narrow terminal
+        t.add_column(k, justify="right", overflow="ellipsis")
     for m in sorted(miners, key=lambda m: float(m.get("weight") or 0.0), reverse=True):
         kind = str(m.get("kind", "honest"))
         weight = float(m.get("weight") or 0.0)
@@ -112,7 +110,7 @@ def _miners_table(miners: list[Mapping[str, Any]], ratio: float) -> Table:
         # Adversaries are always red; one that slipped past the bound gets a yellow warning on its weight.
         over = adversary and bound is not None and weight > bound
         comps = m.get("components") or {}
-        t.add_row(str(m.get("uid", "—")), short_hotkey(m.get("hotkey")),
+        t.add_row(str(m.get("uid", "—")), short_hotkey(m.get("hotkey"), 4),
                   Text(kind, style="bold red" if adversary else "green"), fmt_num(m.get("score")),
                   Text(f"{weight:.4f}" + (" ⚠" if over else ""), style="bold yellow" if over else ""),
                   *[fmt_num(comps.get(k)) for k in comp_keys])
