@@ -157,8 +157,9 @@ def test_stop_is_clean_and_prints_the_final_state():
     dash = LiveDashboard(tel, console=console, refresh_hz=10, redirect=False)
     with dash:
         dash.wait_frames(1)
+        assert dash.running
         tel.train_metrics(loss=1.2345, tokens_per_s=10.0, epoch=3)
-    assert dash._thread is None
+    assert not dash.running
     threads = [t.name for t in threading.enumerate()]
     assert "dtrain-dashboard" not in threads
     assert "1.234" in console.export_text() or "1.235" in console.export_text()

@@ -6,9 +6,12 @@ Human messages go to stderr so that stdout stays a clean channel for ``--json`` 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 _stderr_console: Console | None = None
 
@@ -108,7 +111,7 @@ def fmt_num(value: Any, digits: int = 4) -> str:
     return f"{f:.{digits}g}"
 
 
-def compact_table(title: str | None = None, **kwargs: Any) -> "Table":
+def compact_table(title: str | None = None, **kwargs: Any) -> Table:
     """The table style every view shares: light rules, one space between columns, left title.
 
     Tight padding matters because operators run these on 80-column terminals and tmux panes.

@@ -302,6 +302,10 @@ class LiveDashboard:
                           redirect_stderr=redirect, vertical_overflow="ellipsis")
 
     @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def console(self) -> Console:
         return self._live.console
 
