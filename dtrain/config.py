@@ -155,7 +155,8 @@ class HubConfig:
 @dataclass
 class ApiConfig:
     host: str = _f("0.0.0.0", "Address the miner API listens on.")
-    port: int = _f(8091, "Port the miner API listens on.", min=1, max=65535)
+    port: int = _f(8091, "Port the miner API listens on (0 picks a free port; the committed address follows it).",
+                   min=0, max=65535)
     external_address: str = _f("", "host:port committed on chain (empty: host:port above).")
     max_body_bytes: int = _f(1 << 20, "Largest request body accepted.", min=1)
 

@@ -91,7 +91,7 @@ def test_default_file_is_read_when_present(tmp_path):
 @pytest.mark.parametrize("text,key,fragment", [
     ("[chain]\nnetuid = \"abc\"\n", "chain.netuid", "expected an integer, found string 'abc'"),
     ("[chain]\nnetuid = 70000\n", "chain.netuid", "from 0 to 65535, found integer 70000"),
-    ("[api]\nport = 0\n", "api.port", "from 1 to 65535, found integer 0"),
+    ("[api]\nport = 70000\n", "api.port", "from 0 to 65535, found integer 70000"),
     ("[miner]\nmicro_batch_size = -4\n", "miner.micro_batch_size", "found integer -4"),
     ("[validator]\nslice_bytes = 0\n", "validator.slice_bytes", ">= 1"),
     ("[dashboard]\nenabled = \"yes\"\n", "dashboard.enabled", "expected true or false"),

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from dtrain.cli.common import (
-    ConfigOpt, DataDirOpt, HotkeyOpt, LogFormatOpt, NetuidOpt, NetworkOpt, NoDashboardOpt, NotYetAvailable,
+    ConfigOpt, DataDirOpt, HotkeyOpt, LogFormatOpt, NetuidOpt, NetworkOpt, NoDashboardOpt,
     PresetOpt, SandboxDirOpt, WalletOpt, WalletPathOpt, chain_overrides, cli_errors, load,
 )
 
@@ -35,6 +34,8 @@ def mine(
         "--max-rounds", min=1, help="Stop cleanly after this many all-reduce rounds (default: run until Ctrl-C).")] = None,
     no_dashboard: NoDashboardOpt = False,
     log_format: LogFormatOpt = None,
+    adversary: Annotated[Optional[str], typer.Option(
+        "--adversary", hidden=True, help="Misbehave on purpose (sandbox and tests only).")] = None,
 ) -> None:
     """Train, share gradients with the swarm, and answer validators. Ctrl-C saves and exits 0."""
     cfg = load(config, {
@@ -43,6 +44,11 @@ def mine(
         "api.port": port, "api.external_address": external_address, "hub.repo": repo,
         "allreduce.initial_peers": list(initial_peer) if initial_peer else None, "node.log_format": log_format,
     })
-    del cfg, max_rounds, no_dashboard
-    raise NotYetAvailable("mine: the miner neuron lands with issue #5 (chain, miner API, validator); "
-                          "the training core and swarm it runs on are being built. Nothing was started.")
+    from dtrain.cli.neuron_runner import run_neuron
+
+    def build(telemetry, stop):
+        from dtrain.neurons.miner import Miner
+
+        return Miner(cfg, telemetry, stop, adversary=adversary, max_rounds=max_rounds)
+
+    raise typer.Exit(run_neuron(cfg, "miner", no_dashboard, build))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from dtrain.cli.common import JsonOpt, NoDashboardOpt, NotYetAvailable, cli_errors
+from dtrain.cli.common import CommandError, JsonOpt, NoDashboardOpt, cli_errors, err, print_json
 
 ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner")
 
@@ -33,6 +37,88 @@ def sandbox(
         if kind not in ADVERSARIES:
             raise typer.BadParameter(f"expected one of {', '.join(ADVERSARIES)}, found {kind!r}",
                                      param_hint="--adversary")
-    del miners, rounds, directory, json_out, no_dashboard
-    raise NotYetAvailable("sandbox: the embedded subnet lands with issue #6, on top of the training core (#3), "
-                          "swarm (#4) and neurons (#5).")
+    from dtrain.sandbox.orchestrator import Sandbox, SandboxError, SandboxOptions
+
+    live = not json_out and not no_dashboard and sys.stdout.isatty()
+    events: list[str] = []
+
+    def note(message: str) -> None:
+        events.append(f"{time.strftime('%H:%M:%S')} {message}")
+        if not live:
+            err(f"sandbox: {message}")
+
+    box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, adversaries=list(adversary or []),
+                                 directory=directory), on_event=note)
+    interrupted = threading.Event()
+
+    def on_signal(signum, frame):
+        interrupted.set()
+        box._stopping.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        box.setup()
+        box.start()
+        if live:
+            code = _watch(box, events, rounds)
+        else:
+            code = box.wait_for_validator()
+    except SandboxError as exc:
+        raise CommandError(f"{exc} (state kept in {box.root})" if directory else str(exc)) from None
+    finally:
+        note("stopping every neuron")
+        box.stop_all()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if interrupted.is_set():
+        err("sandbox: interrupted; every neuron was stopped")
+        box.cleanup()
+        raise typer.Exit(130)
+    summary = box.summary()
+    _save_summary(box.root, summary)
+    if directory is None:
+        summary["dir"] = None  # the temporary directory is gone after this command
+    box.cleanup()
+    if json_out:
+        print_json(summary)
+    else:
+        from rich.console import Console
+
+        from dtrain.ui.summary import render_summary
+
+        Console().print(render_summary(summary))
+        if directory is not None:
+            typer.echo(f"state kept in {directory}; inspect it with: "
+                       f"dtrain status --network sandbox --sandbox-dir {directory}")
+    if code != 0:
+        raise CommandError(f"the validator exited with code {code}; see its log under neurons/validator/")
+
+
+def _watch(box, events: list[str], rounds: int) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from dtrain.ui.sandbox_view import render_sandbox
+
+    validator = next(c for c in box.children if c.member.role == "validator")
+    with Live(console=Console(), auto_refresh=False, transient=False) as live:
+        while not box._stopping.is_set():
+            code = validator.process.poll()
+            live.update(render_sandbox(box.neuron_views(), events, rounds=rounds,
+                                       elapsed_s=time.time() - box.started_at), refresh=True)
+            if code is not None:
+                return code
+            time.sleep(1.0)
+    return 130
+
+
+def _save_summary(root: Path, summary: dict) -> None:
+    import json
+
+    from dtrain.sandbox import layout
+
+    try:
+        layout.summary_path(root).write_text(json.dumps(summary, indent=2))
+    except OSError:
+        pass

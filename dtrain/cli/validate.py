@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from dtrain.cli.common import (
-    ConfigOpt, DataDirOpt, HotkeyOpt, LogFormatOpt, NetuidOpt, NetworkOpt, NoDashboardOpt, NotYetAvailable,
+    ConfigOpt, DataDirOpt, HotkeyOpt, LogFormatOpt, NetuidOpt, NetworkOpt, NoDashboardOpt,
     SandboxDirOpt, WalletOpt, WalletPathOpt, chain_overrides, cli_errors, load,
 )
 
@@ -35,6 +35,11 @@ def validate(
         "node.data_dir": str(data_dir) if data_dir else None,
         "validator.round_interval_s": round_interval, "node.log_format": log_format,
     })
-    del cfg, max_rounds, no_dashboard
-    raise NotYetAvailable("validate: the validator neuron lands with issue #5 (chain, miner API, scoring). "
-                          "Nothing was started.")
+    from dtrain.cli.neuron_runner import run_neuron
+
+    def build(telemetry, stop):
+        from dtrain.neurons.validator import Validator
+
+        return Validator(cfg, telemetry, stop, max_rounds=max_rounds)
+
+    raise typer.Exit(run_neuron(cfg, "validator", no_dashboard, build))

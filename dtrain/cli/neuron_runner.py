@@ -1,0 +1,65 @@
+"""Run a long-lived neuron (miner or validator) with signals, dashboard or line logs.
+
+Ctrl-C (SIGINT) or SIGTERM asks the neuron to stop: it finishes the step it is in,
+saves a checkpoint, leaves the DHT and returns, and the command exits 0. A second
+signal stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Callable
+
+from dtrain.cli.common import CommandError, err, use_dashboard
+from dtrain.config import Config
+
+
+def run_neuron(cfg: Config, role: str, no_dashboard: bool,
+               build: Callable[["object", threading.Event], "object"]) -> int:
+    from dtrain.telemetry import Telemetry
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    telemetry = Telemetry(role)
+    stop = threading.Event()
+    state = {"signals": 0}
+
+    def on_signal(signum, frame):
+        state["signals"] += 1
+        if state["signals"] > 1:
+            raise KeyboardInterrupt
+        telemetry.event(f"{signal.Signals(signum).name} received: finishing the current step, then stopping")
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        neuron = build(telemetry, stop)
+        if use_dashboard(cfg, no_dashboard):
+            from dtrain.ui.dashboard import LiveDashboard
+
+            with LiveDashboard(telemetry, refresh_hz=cfg.dashboard.refresh_hz):
+                return _run(neuron)
+        from dtrain.ui.loglines import attach_line_logger
+
+        attach_line_logger(telemetry, sys.stderr, fmt=cfg.node.log_format, min_interval_s=10.0)
+        return _run(neuron)
+    except KeyboardInterrupt:
+        err(f"dtrain {role}: interrupted twice; stopped without a final checkpoint")
+        return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run(neuron) -> int:
+    from dtrain.chain.base import ChainError
+    from dtrain.neurons.runtime import NeuronError
+    from dtrain.training.errors import TrainingError
+
+    try:
+        return neuron.run()
+    except (NeuronError, TrainingError, ChainError) as exc:
+        raise CommandError(str(exc)) from None

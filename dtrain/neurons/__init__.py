@@ -1,0 +1,1 @@
+"""Neurons: the miner and validator processes, built from the core packages."""

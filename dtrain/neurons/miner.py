@@ -1,0 +1,461 @@
+"""The miner neuron: train, answer validators, average gradients, push the model.
+
+Threads:
+- the *training thread* (the caller of :meth:`Miner.run`) owns the model. It trains
+  on the miner's assigned pages until the local batch is full, then waits, and runs
+  every job the API hands it (Train queries, all-reduce rounds);
+- the API server's threads authenticate requests and queue jobs (``JobQueue``);
+- the model-store pusher uploads in the background, so training never waits on it.
+
+Rounds are started by validators (``POST /v1/allreduce``): the miner averages its
+accumulated mean gradient, weighted by its sample count, applies the same optimizer
+step as every other peer, advances its epoch, checkpoints and pushes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain import __version__
+from dtrain.config import Config
+from dtrain.neurons import adversary as adv
+from dtrain.neurons.jobs import JobQueue
+from dtrain.neurons.runtime import NeuronError, node_dir
+from dtrain.telemetry import Telemetry, write_status_file
+
+log = logging.getLogger("dtrain.miner")
+
+MAX_UIDS = 256  # page-assignment constant shared by every peer of a subnet (see training.data)
+PEER_REFRESH_S = 20.0
+
+
+class Miner:
+    def __init__(self, cfg: Config, telemetry: Telemetry, stop: threading.Event, *,
+                 adversary: str | None = None, max_rounds: int | None = None):
+        if adversary is not None and adversary not in adv.KINDS:
+            raise NeuronError(f"unknown adversary kind {adversary!r}; expected one of {', '.join(adv.KINDS)}")
+        self.cfg = cfg
+        self.tel = telemetry
+        self.stop = stop
+        self.kind = adversary or "honest"
+        self.max_rounds = max_rounds
+        self.jobs = JobQueue()
+        self.epoch = 0
+        self.cursor = 0
+        self.rounds_done = 0
+        self._digest = ""
+        self._catch_up = False
+        self._last_loss: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        cfg = self.cfg
+        from dtrain.neurons import runtime
+
+        self.tel.update(state="loading wallet", network=cfg.chain.network, netuid=cfg.chain.netuid)
+        wallet = runtime.load_wallet(cfg)
+        self.hotkey = wallet.hotkey.ss58_address
+        self.tel.update(hotkey=self.hotkey, state="connecting to chain")
+        self.chain = runtime.open_chain_for(cfg, wallet=wallet)
+        self.uid = self._wait_for_registration()
+        self.dir = node_dir(cfg, "miner", self.hotkey)
+        self.status_path = self.dir / "status.json"
+
+        self.tel.update(uid=self.uid, state="building model")
+        n_positions = adv.wrong_model_positions(cfg) if self.kind == "wrong-model" else None
+        self.bench = runtime.build_workbench(cfg, n_positions=n_positions)
+        self.trainer = self.bench.trainer
+        self._resume()
+        self.tel.event(f"model {cfg.model.preset}: {self.bench.param_count:,} parameters, "
+                       f"tokenizer {self.bench.tokenizer_info.name}, fingerprint {self.bench.fingerprint[:12]}")
+
+        self.tel.update(state="joining swarm")
+        self._start_swarm()
+        self._start_api()
+        self._commit()
+        self._start_pusher()
+        self.tel.update(state="training")
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _wait_for_registration(self) -> int:
+        from dtrain.chain.base import ChainError
+
+        uid = None
+        delay = 1.0
+        while uid is None and not self.stop.is_set():
+            try:
+                uid = self.chain.uid(self.hotkey)
+                self.tel.health("chain", ok=True)
+            except ChainError as exc:
+                self.tel.health("chain", ok=False, detail=str(exc))
+            if uid is None:
+                if self.cfg.chain.network != "sandbox" and delay == 1.0:
+                    self.tel.event(f"hotkey {self.hotkey} is not registered on netuid {self.cfg.chain.netuid}; "
+                                   f"register it with: btcli subnet register --netuid {self.cfg.chain.netuid}")
+                self.stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+        if uid is None:
+            raise NeuronError("stopped before the hotkey was registered")
+        return uid
+
+    def _resume(self) -> None:
+        from dtrain.training.loop import LoopState, resume_or_start
+
+        self.ckpt_dir = self.dir / "checkpoints"
+        fresh = LoopState(run_id=self.cfg.model.run_id, uid=self.uid, max_uids=MAX_UIDS)
+        state = resume_or_start(self.trainer, self.ckpt_dir, fresh)
+        self.epoch, self.cursor = state.epoch, state.cursor
+        self.trainer.counters.epoch = self.epoch
+        self._refresh_digest()
+        if state is not fresh:
+            self.tel.event(f"resumed from checkpoint at epoch {self.epoch}, step {self.trainer.counters.inner_step}")
+
+    def _start_swarm(self) -> None:
+        from dtrain.neurons import runtime
+        from dtrain.neurons.discovery import peer_maddrs
+        from dtrain.neurons.sync import export_state
+        from dtrain.swarm.averaging import FaultInjection, GradientSwarm
+        from dtrain.swarm.node import SwarmNode
+
+        peers = peer_maddrs(self._commitments().values(), exclude_peer="")
+        self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
+        fault = FaultInjection(send_nonfinite=False)
+        self.swarm = GradientSwarm(
+            self.node.dht, [p.detach() for p in self.trainer.params], self.bench.fingerprint,
+            runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
+            state_provider=lambda: export_state(self.trainer, self.epoch), fault=fault,
+        )
+        self.tel.update(peer_id=self.node.peer_id)
+        self._last_peer_refresh = time.monotonic()
+
+    def _start_api(self) -> None:
+        from dtrain.api.server import Handlers, MinerApiServer
+        from dtrain.chain.permits import ValidatorPermits
+
+        a = self.cfg.api
+        self.server = MinerApiServer(
+            Handlers(status=self._status, train=self._train, allreduce=self._allreduce,
+                     state_slice=self._state_slice),
+            self_hotkey=self.hotkey, is_allowed=ValidatorPermits(self.chain, refresh_s=30.0),
+            host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
+        ).start()
+        host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
+        self.api_address = a.external_address or f"{host}:{self.server.port}"
+        self.tel.update(api=self.api_address)
+
+    def _commit(self) -> None:
+        from dtrain.chain.base import ChainError
+        from dtrain.chain.commitment import MinerCommitment
+
+        record = MinerCommitment(peer_id=self.node.peer_id, api=self.api_address,
+                                 repo=self.cfg.hub.repo or "none")
+        try:
+            self.chain.commit(record)
+            self.tel.health("chain", ok=True)
+            self.tel.event(f"committed peer {record.peer_id[:12]}… api {record.api}")
+        except ChainError as exc:
+            # Keep training; _maybe_recommit tries again after an outage.
+            self.tel.health("chain", ok=False, detail=str(exc))
+            self._pending_commit = record
+            return
+        self._pending_commit = None
+
+    def _start_pusher(self) -> None:
+        self.pusher = None
+        if not (self.cfg.hub.repo and self.cfg.miner.push_after_round):
+            return
+        from dtrain.hub.pusher import BackgroundPusher
+        from dtrain.hub.targets import open_store
+
+        try:
+            store = open_store(self.cfg.hub.repo)
+        except ValueError as exc:
+            raise NeuronError(f"hub.repo: {exc}") from None
+        self.pusher = BackgroundPusher(store, self.dir / "push-staging",
+                                       retry_interval=max(1.0, self.cfg.hub.backoff_s)).start()
+
+    def _shutdown(self) -> None:
+        self.tel.update(state="stopping")
+        self.jobs.cancel_all(RuntimeError("miner is shutting down"))
+        for step in (self._save_checkpoint, lambda: self.server.stop(),
+                     lambda: self.pusher and self.pusher.stop(drain=True, timeout=30),
+                     lambda: self.swarm.shutdown(), lambda: self.node.shutdown(), self._publish):
+            try:
+                step()
+            except Exception as exc:  # keep tearing down; report what failed
+                log.warning("shutdown step failed: %r", exc)
+        self.tel.update(state="stopped")
+        self._publish()
+
+    # ------------------------------------------------------------------ main loop
+
+    def _loop(self) -> None:
+        last_publish = 0.0
+        while not self.stop.is_set():
+            self.jobs.run_pending()
+            if self._catch_up:
+                self._load_state_from_peers()
+            if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
+                break
+            if self._wants_more_data():
+                self._train_own_page()
+            else:
+                self.jobs.run_pending(wait_s=0.2)
+            now = time.monotonic()
+            if now - last_publish > 1.0:
+                self._publish()
+                last_publish = now
+            if now - self._last_peer_refresh > PEER_REFRESH_S:
+                self._refresh_peers()
+
+    def _wants_more_data(self) -> bool:
+        if self.kind == "lazy":
+            return False  # a lazy miner never trains
+        return self.trainer.accumulated_samples < self.cfg.miner.local_batch_size
+
+    def _train_own_page(self) -> None:
+        from dtrain.training.data import assign_pages
+
+        reader = self.bench.reader
+        page = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, counter=self.cursor,
+                            num_pages=reader.num_pages, count=1, max_uids=MAX_UIDS)
+        t0 = time.perf_counter()
+        results = self.trainer.accumulate(reader.read_pages(page))
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+        self.cursor += 1
+        tokens = sum(r.samples for r in results) * self.cfg.model.seq_len
+        loss = sum(r.loss for r in results) / len(results)
+        self._last_loss = loss
+        self.tel.train_metrics(loss=loss, tokens_per_s=tokens / elapsed, lr=self.trainer.lr,
+                               epoch=self.epoch, inner_step=self.trainer.counters.inner_step,
+                               samples=self.trainer.counters.samples, tokens=self.trainer.counters.tokens,
+                               samples_accumulated=self.trainer.accumulated_samples,
+                               target_batch=self.cfg.miner.local_batch_size)
+
+    # ------------------------------------------------------------------ API handlers (server threads)
+
+    def _status(self) -> dict:
+        snap = self.tel.snapshot()
+        return {
+            "version": __version__, "uid": self.uid, "epoch": self.epoch, "kind": "miner",
+            "samples": self.trainer.counters.samples, "samples_accumulated": self.trainer.accumulated_samples,
+            "inner_step": self.trainer.counters.inner_step, "model_fingerprint": self.bench.fingerprint,
+            "params_digest": self._digest, "peer_id": self.node.peer_id,
+            "maddrs": self.node.visible_maddrs(), "loss": snap.loss, "state": snap.state,
+        }
+
+    def _train(self, body: dict, caller: str) -> dict:
+        from dtrain.api.server import HandlerError
+
+        future = self.jobs.submit(lambda: self._do_train(body))
+        try:
+            return future.result(timeout=300)
+        except HandlerError:
+            raise
+        except TimeoutError:
+            raise HandlerError(503, "training thread busy; try again") from None
+
+    def _do_train(self, body: dict) -> dict:
+        from dtrain.api.server import HandlerError
+        from dtrain.training.data import assign_pages
+
+        if int(body["epoch"]) != self.epoch:
+            if int(body["epoch"]) > self.epoch:
+                self._catch_up = True
+            raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {body['epoch']}")
+        reader = self.bench.reader
+        page_uid = adv.copycat_uid(self.uid) if self.kind == "copycat" else self.uid
+        pages = assign_pages(run_id=self.bench.run_id, uid=page_uid, epoch=self.epoch, counter=0,
+                             count=int(body["pages"]), num_pages=reader.num_pages, nonce=body["nonce"],
+                             max_uids=MAX_UIDS)
+        mbs = int(body["micro_batch_size"])
+        if self.kind == "lazy":
+            micro = adv.fabricated_microbatches(len(pages) * self.cfg.data.page_sequences, mbs, body["nonce"],
+                                               self._last_loss)
+        else:
+            previous = self.trainer.config.micro_batch_size
+            self.trainer.config.micro_batch_size = mbs  # the validator recomputes with this split
+            try:
+                results = self.trainer.accumulate(reader.read_pages(pages), fingerprint_nonce=body["nonce"])
+            finally:
+                self.trainer.config.micro_batch_size = previous
+            micro = [r.fingerprint.to_dict() for r in results]
+        per_page = max(1, self.cfg.data.page_sequences // mbs) if mbs <= self.cfg.data.page_sequences else 1
+        for i, item in enumerate(micro):
+            item["page"] = pages[min(i // per_page, len(pages) - 1)]
+        return {"uid": self.uid, "epoch": self.epoch, "samples_total": self.trainer.accumulated_samples,
+                "params_digest": self._digest, "microbatches": micro}
+
+    def _allreduce(self, body: dict, caller: str) -> dict:
+        from dtrain.api.server import HandlerError
+
+        if self.kind == "freeloader":
+            return {"joined": False, "round": None, "epoch": self.epoch, "reason": "not joining"}
+        future = self.jobs.submit(lambda: self._do_round(body))
+        try:
+            return future.result(timeout=float(body["deadline_s"]) + 120)
+        except TimeoutError:
+            raise HandlerError(503, "round did not finish in time") from None
+
+    def _do_round(self, body: dict) -> dict:
+        import torch
+
+        if int(body["epoch"]) != self.epoch:
+            if int(body["epoch"]) > self.epoch:
+                self._catch_up = True
+            return {"joined": False, "round": None, "epoch": self.epoch,
+                    "reason": f"miner is at epoch {self.epoch}, round is for epoch {body['epoch']}"}
+        samples = self.trainer.accumulated_samples
+        # Peers exchange *mean* gradients weighted by sample counts; the trainer keeps sums.
+        mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
+        weight = float(samples)
+        if self.kind == "inflated-weight":
+            weight = adv.INFLATED_WEIGHT
+        if self.kind == "poisoner":
+            mean = adv.poison(mean)
+        info = {"round_id": body["round_id"], "epoch": self.epoch, "weight": weight}
+        self.tel.round_started(info)
+        record = self.swarm.run_round(mean, weight=weight, cap=float(body["weight_cap"]),
+                                      tokens=samples * self.cfg.model.seq_len,
+                                      timeout_s=float(body["deadline_s"]))
+        result: dict[str, Any] = {"joined": not record.error, "round": record.to_dict()}
+        if record.ok and all(bool(torch.isfinite(t).all()) for t in mean):
+            self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(mean, self.trainer.params)],
+                                       num_samples=1)
+            metrics = self.trainer.step()
+            self.epoch += 1
+            self.trainer.counters.epoch = self.epoch
+            self.cursor = 0  # page counters restart with each epoch's fresh permutation
+            self._refresh_digest()
+            if record.fraction_averaged < 1.0:
+                # Part of the vector kept local values: this replica may now differ from others.
+                self._catch_up = True
+            self.tel.train_metrics(loss=metrics.loss if math.isfinite(metrics.loss) else (self._last_loss or 0.0),
+                                   tokens_per_s=metrics.tokens_per_s, grad_norm=metrics.grad_norm, lr=metrics.lr,
+                                   epoch=self.epoch, inner_step=metrics.inner_step,
+                                   samples_accumulated=0)
+            self._save_checkpoint()
+            self._push()
+        self.rounds_done += 1
+        self.tel.round_finished(record.to_dict())
+        result["epoch"] = self.epoch
+        return result
+
+    def _state_slice(self, offset: int, length: int) -> bytes:
+        """Bytes of the current parameters (float32), for the validator's bandwidth check."""
+        flat = self.trainer.flat_parameters().detach().to("cpu").float().numpy().tobytes()
+        if not flat:
+            return b""
+        # Wrap around so a validator can ask for more bytes than a tiny model holds.
+        offset %= len(flat)
+        out = bytearray()
+        while len(out) < length:
+            chunk = flat[offset:offset + length - len(out)]
+            out += chunk
+            offset = 0
+        return bytes(out)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _commitments(self) -> dict:
+        from dtrain.chain.base import ChainError
+
+        try:
+            found = self.chain.commitments()
+            self.tel.health("chain", ok=True)
+            return found
+        except ChainError as exc:
+            self.tel.health("chain", ok=False, detail=str(exc))
+            return {}
+
+    def _refresh_peers(self) -> None:
+        from dtrain.neurons.discovery import peer_maddrs
+
+        self._last_peer_refresh = time.monotonic()
+        if getattr(self, "_pending_commit", None) is not None:
+            self._commit()
+        peers = peer_maddrs(self._commitments().values(), exclude_peer=self.node.peer_id)
+        known = set(self.node.config.initial_peers)
+        fresh = [p for p in peers if p not in known]
+        if fresh or self.node.num_known_peers() == 0:
+            self.node.config.initial_peers = list(dict.fromkeys([*self.node.config.initial_peers, *peers]))
+            try:
+                self.node.try_bootstrap_once()
+            except Exception as exc:
+                log.debug("bootstrap attempt failed: %r", exc)
+        self.tel.update(peers_seen=self.node.num_known_peers())
+
+    def _load_state_from_peers(self) -> None:
+        from dtrain.neurons.sync import import_state
+
+        self._catch_up = False
+        self.tel.event("catching up: loading model state from a peer")
+        try:
+            loaded = self.swarm.load_state_from_peers(timeout_s=30)
+        except Exception as exc:
+            self.tel.event(f"catch-up failed: {exc!r}")
+            return
+        if not loaded:
+            self.tel.event("catch-up: no peer shared its state")
+            return
+        meta, tensors = loaded[0], loaded[1]
+        try:
+            self.epoch = import_state(self.trainer, meta, tensors)
+        except ValueError as exc:
+            self.tel.event(f"catch-up: rejected peer state ({exc})")
+            return
+        self.cursor = 0
+        self._refresh_digest()
+        self.tel.event(f"caught up to epoch {self.epoch}")
+
+    def _refresh_digest(self) -> None:
+        from dtrain.neurons.runtime import params_digest
+
+        self._digest = params_digest(self.trainer)
+
+    def _save_checkpoint(self) -> None:
+        from dtrain.training.checkpoint import save_checkpoint
+        from dtrain.training.loop import LoopState, training_state
+
+        # Gradients of a half-filled local batch are not part of the checkpoint: on resume
+        # the miner re-trains those pages, which is cheaper than persisting the buffers.
+        state = training_state(self.trainer, LoopState(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch,
+                                                       cursor=self.cursor, max_uids=MAX_UIDS))
+        save_checkpoint(self.ckpt_dir, state)
+
+    def _push(self) -> None:
+        if self.pusher is None:
+            return
+        from dtrain.hub.tags import format_tag
+
+        export = self.dir / "export"
+        self.bench.model.save_pretrained(str(export))
+        tag = format_tag(self.bench.run_id, self.epoch, self.trainer.counters.inner_step)
+        self.pusher.enqueue(export, tag)
+
+    def _publish(self) -> None:
+        snap = self.tel.snapshot()
+        if self.pusher is not None:
+            st = self.pusher.status()
+            self.tel.health("hub", ok=st.consecutive_failures == 0, detail=st.last_error or "")
+            if st.last_success_tag:
+                self.tel.update(last_push=st.last_success_tag)
+            snap = self.tel.snapshot()
+        try:
+            write_status_file(str(self.status_path), snap)
+        except OSError as exc:
+            log.debug("status file not written: %r", exc)
+
+
+def status_file(cfg: Config, hotkey: str) -> Path:
+    return node_dir(cfg, "miner", hotkey) / "status.json"

@@ -1,0 +1,64 @@
+"""Model-state hand-over between peers: what a lagging peer downloads to catch up.
+
+Averaged gradients only keep replicas identical if every replica also has the same
+optimizer moments and schedule position, so the shared state is parameters plus
+AdamW/LAMB moments plus counters. hivemind's ``load_state_from_peers`` carries it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def export_state(trainer, epoch: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    tensors: list[torch.Tensor] = []
+    opt_step = 0.0
+    for p in trainer.params:
+        tensors.append(p.detach().to("cpu", torch.float32))
+        state = trainer.optimizer.state.get(p, {})
+        for key in MOMENTS:
+            moment = state.get(key)
+            tensors.append(moment.detach().to("cpu", torch.float32) if moment is not None
+                           else torch.zeros(p.shape, dtype=torch.float32))
+        if "step" in state:
+            opt_step = float(state["step"])
+    meta = {"epoch": int(epoch), "inner_step": trainer.counters.inner_step, "opt_step": opt_step,
+            "sched_epoch": int(trainer.scheduler.last_epoch)}
+    return meta, tensors
+
+
+@torch.no_grad()
+def import_state(trainer, meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> int:
+    """Adopt a peer's state; returns its epoch. Raises ValueError when it does not fit this model."""
+    per_param = 1 + len(MOMENTS)
+    if len(tensors) != per_param * len(trainer.params):
+        raise ValueError(f"peer state has {len(tensors)} tensors, this model needs {per_param * len(trainer.params)}")
+    opt_step = float(meta.get("opt_step", 0.0))
+    for i, p in enumerate(trainer.params):
+        block = tensors[i * per_param:(i + 1) * per_param]
+        if any(tuple(t.shape) != tuple(p.shape) for t in block):
+            raise ValueError("peer state does not match this model's parameter shapes")
+        if not all(bool(torch.isfinite(t).all()) for t in block):
+            raise ValueError("peer state holds non-finite values")
+        p.copy_(block[0].to(p.device, p.dtype))
+        if opt_step > 0:
+            trainer.optimizer.state[p] = {
+                "step": torch.tensor(opt_step, dtype=torch.float32),
+                **{key: t.to(p.device, torch.float32).clone() for key, t in zip(MOMENTS, block[1:])},
+            }
+        else:
+            trainer.optimizer.state.pop(p, None)
+    sched = trainer.scheduler
+    sched.last_epoch = int(meta.get("sched_epoch", 0))
+    # LambdaLR sets lr only when stepped; put the group lrs where the peer's schedule is.
+    for group, base, fn in zip(trainer.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
+    trainer.counters.inner_step = int(meta.get("inner_step", 0))
+    epoch = int(meta.get("epoch", 0))
+    trainer.counters.epoch = epoch
+    trainer.zero_grad()
+    return epoch

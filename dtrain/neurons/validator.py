@@ -1,0 +1,526 @@
+"""The validator neuron: verify training, run all-reduce rounds, score, set weights.
+
+One validation round:
+
+1. read the metagraph and the miners' commitments;
+2. probe each selected miner: a signed Train challenge (a fresh nonce, from which the
+   pages follow), and a state-slice download for bandwidth;
+3. recompute a random subset of each miner's micro-batches on this validator's own
+   replica of the model and compare losses and gradient fingerprints;
+4. ask the miners to join an all-reduce round and join it with weight 0, so this
+   replica receives the same average and stays in step for the next verification;
+5. score (``dtrain.validation.scoring``), smooth, turn into weights, and set them on
+   chain at the rate limit; persist everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtrain.config import Config
+from dtrain.neurons.miner import MAX_UIDS
+from dtrain.neurons.runtime import NeuronError, node_dir
+from dtrain.telemetry import MinerRow, Telemetry, write_status_file
+
+log = logging.getLogger("dtrain.validator")
+
+EVAL_PAGES = 2
+
+
+@dataclass
+class Probe:
+    """What one miner answered this round."""
+
+    uid: int
+    hotkey: str
+    api: str
+    peer_id: str
+    status: dict | None = None
+    train: dict | None = None
+    train_error: str = ""
+    train_seconds: float = 0.0
+    slice_bps: float | None = None
+    slice_error: str = ""
+    allreduce: dict | None = None
+    allreduce_error: str = ""
+    checks: list = field(default_factory=list)
+    outcome: str = ""
+    note: str = ""
+
+
+class Validator:
+    def __init__(self, cfg: Config, telemetry: Telemetry, stop: threading.Event, *, max_rounds: int | None = None):
+        self.cfg = cfg
+        self.tel = telemetry
+        self.stop = stop
+        self.max_rounds = max_rounds
+        self.epoch = 0
+        self.verify_seconds = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        from dtrain.api.client import MinerClient
+        from dtrain.neurons import runtime
+        from dtrain.validation.state import ValidatorState, load_state
+
+        cfg = self.cfg
+        self.tel.update(state="loading wallet", network=cfg.chain.network, netuid=cfg.chain.netuid)
+        self.wallet = runtime.load_wallet(cfg)
+        self.hotkey = self.wallet.hotkey.ss58_address
+        self.tel.update(hotkey=self.hotkey, state="connecting to chain")
+        self.chain = runtime.open_chain_for(cfg, wallet=self.wallet)
+        self.uid = self._require_permit()
+        self.dir = node_dir(cfg, "validator", self.hotkey)
+        self.state_path = self.dir / "state.json"
+        self.state = load_state(self.state_path) if self.state_path.exists() else ValidatorState()
+        self.tel.update(uid=self.uid, state="building model")
+        self.bench = runtime.build_workbench(cfg)
+        self.trainer = self.bench.trainer
+        self._resume()
+        self.eval_tokens = self._eval_batch()
+        self.client = MinerClient(self.wallet, timeout=max(60.0, self._deadline() + 60))
+        self._start_swarm()
+        self.tel.update(state="validating")
+        self._restore_dashboard()
+        try:
+            rounds = 0
+            while not self.stop.is_set() and (self.max_rounds is None or rounds < self.max_rounds):
+                started = time.monotonic()
+                self._round()
+                rounds += 1
+                self._publish()
+                if self.max_rounds is not None and rounds >= self.max_rounds:
+                    break
+                self.stop.wait(max(0.0, cfg.validator.round_interval_s - (time.monotonic() - started)))
+        finally:
+            self._shutdown()
+        return 0
+
+    def _require_permit(self) -> int:
+        from dtrain.chain.base import ChainError
+
+        delay = 1.0
+        while not self.stop.is_set():
+            try:
+                neurons = self.chain.neurons()
+                self.tel.health("chain", ok=True)
+            except ChainError as exc:
+                self.tel.health("chain", ok=False, detail=str(exc))
+                self.stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            me = next((n for n in neurons if n.hotkey == self.hotkey), None)
+            if me is None:
+                raise NeuronError(f"hotkey {self.hotkey} is not registered on netuid {self.cfg.chain.netuid}; "
+                                  f"register it with: btcli subnet register --netuid {self.cfg.chain.netuid}")
+            if not me.validator_permit:
+                raise NeuronError(f"uid {me.uid} has no validator permit on netuid {self.cfg.chain.netuid}; "
+                                  "miners will refuse its queries (stake more to earn a permit)")
+            return me.uid
+        raise NeuronError("stopped before the chain answered")
+
+    def _resume(self) -> None:
+        from dtrain.training.loop import LoopState, resume_or_start
+
+        self.ckpt_dir = self.dir / "checkpoints"
+        fresh = LoopState(run_id=self.cfg.model.run_id, uid=0, max_uids=MAX_UIDS)
+        state = resume_or_start(self.trainer, self.ckpt_dir, fresh)
+        self.epoch = state.epoch
+        self.trainer.counters.epoch = self.epoch
+        self._refresh_digest()
+
+    def _start_swarm(self) -> None:
+        import torch
+
+        from dtrain.neurons import runtime
+        from dtrain.neurons.discovery import peer_maddrs
+        from dtrain.neurons.sync import export_state
+        from dtrain.swarm.averaging import GradientSwarm
+        from dtrain.swarm.node import SwarmNode
+
+        peers = peer_maddrs(self._commitments().values())
+        self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
+        self.swarm = GradientSwarm(
+            self.node.dht, [p.detach() for p in self.trainer.params], self.bench.fingerprint,
+            runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
+            state_provider=lambda: export_state(self.trainer, self.epoch),
+        )
+        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
+        self.tel.update(peer_id=self.node.peer_id)
+
+    def _shutdown(self) -> None:
+        self.tel.update(state="stopping")
+        for step in (lambda: self.swarm.shutdown(), lambda: self.node.shutdown()):
+            try:
+                step()
+            except Exception as exc:
+                log.warning("shutdown step failed: %r", exc)
+        self.tel.update(state="stopped")
+        self._publish()
+
+    # ------------------------------------------------------------------ one round
+
+    def _round(self) -> None:
+        from dtrain.chain.base import ChainError
+
+        round_no = self.state.round_counter + 1
+        self.tel.update(state=f"round {round_no}: reading chain")
+        try:
+            neurons = self.chain.neurons()
+            self.tel.health("chain", ok=True)
+        except ChainError as exc:
+            self.tel.health("chain", ok=False, detail=str(exc))
+            self.tel.event(f"round {round_no} skipped: chain unreachable ({exc})")
+            return
+        commitments = self._commitments()
+        miners = [n for n in neurons if n.hotkey in commitments and not n.validator_permit and n.hotkey != self.hotkey]
+        if not miners:
+            self.tel.event(f"round {round_no}: no miner has committed yet")
+            return
+        rng = random.Random(secrets.randbits(64))
+        selected = rng.sample(miners, min(len(miners), self.cfg.validator.miners_per_round))
+        probes = [Probe(uid=n.uid, hotkey=n.hotkey, api=commitments[n.hotkey].api,
+                        peer_id=commitments[n.hotkey].peer_id) for n in selected]
+        self._connect_peers(commitments)
+
+        loss_before = self._eval_loss()
+        self.tel.update(state=f"round {round_no}: Train queries")
+        nonce = secrets.token_hex(16)
+        with ThreadPoolExecutor(max_workers=min(8, len(probes))) as pool:
+            list(pool.map(lambda p: self._probe(p, nonce), probes))
+        t0 = time.perf_counter()
+        for probe in probes:
+            self._verify(probe, nonce)
+        verify_s = time.perf_counter() - t0
+        self.verify_seconds += verify_s
+
+        self.tel.update(state=f"round {round_no}: all-reduce")
+        record = self._allreduce(probes, round_no)
+        loss_after = self._eval_loss() if record.ok else loss_before
+
+        scores = self._score(probes, record, neurons)
+        weights = self._weights(neurons)
+        summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
+        self.state.add_round(summary)
+        from dtrain.validation.state import save_state
+
+        save_state(self.state_path, self.state)
+        self.tel.event(f"round {round_no}: {summary['status']}, {len(summary['participants'])} participants, "
+                       f"eval loss {loss_before:.3f} -> {loss_after:.3f}")
+
+    def _probe(self, probe: Probe, nonce: str) -> None:
+        from dtrain.api.client import ApiError
+
+        try:
+            probe.status = self.client.status(probe.api, timeout=10)
+        except ApiError as exc:
+            probe.train_error = f"status: {exc}"
+            return
+        body = {"nonce": nonce, "epoch": self.epoch, "pages": self.cfg.validator.pages_per_query,
+                "micro_batch_size": self.cfg.miner.micro_batch_size}
+        t0 = time.perf_counter()
+        try:
+            probe.train = self.client.train(probe.api, probe.hotkey, body, timeout=300)
+        except ApiError as exc:
+            probe.train_error = str(exc)
+        probe.train_seconds = time.perf_counter() - t0
+        try:
+            dl = self.client.state_slice(probe.api, probe.hotkey, 0, self.cfg.validator.slice_bytes, timeout=60)
+            probe.slice_bps = dl.bytes_per_second if dl.bytes_received == self.cfg.validator.slice_bytes else 0.0
+        except ApiError as exc:
+            probe.slice_bps, probe.slice_error = 0.0, str(exc)
+
+    def _verify(self, probe: Probe, nonce: str) -> None:
+        """Recompute a random subset of the miner's micro-batches; fill ``probe.checks``."""
+        from dtrain.training.data import assign_pages
+        from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
+        from dtrain.training.trainer import recompute_fingerprints
+        from dtrain.validation.scoring import MicroBatchCheck
+
+        if probe.train is None:
+            probe.note = probe.train_error or "no Train answer"
+            return
+        answer = probe.train
+        if answer.get("epoch") != self.epoch or answer.get("params_digest") != self._digest:
+            # Not a forgery we can prove, but nothing we can verify either: no credit.
+            probe.note = f"out of sync (epoch {answer.get('epoch')}, ours {self.epoch})"
+            return
+        reader = self.bench.reader
+        mbs = self.cfg.miner.micro_batch_size
+        pages = assign_pages(run_id=self.bench.run_id, uid=probe.uid, epoch=self.epoch, counter=0,
+                             count=self.cfg.validator.pages_per_query, num_pages=reader.num_pages, nonce=nonce,
+                             max_uids=MAX_UIDS)
+        tokens = reader.read_pages(pages)
+        expected = math.ceil(tokens.shape[0] / mbs)
+        micro = answer.get("microbatches")
+        if not isinstance(micro, list) or len(micro) != expected:
+            probe.checks = [MicroBatchCheck(passed=False, similarity=0.0, loss_rel_err=math.inf)]
+            probe.note = f"expected {expected} micro-batches, got {len(micro) if isinstance(micro, list) else 'none'}"
+            return
+        count = max(1, math.ceil(self.cfg.validator.recompute_fraction * expected))
+        chosen = sorted(random.Random(nonce + probe.hotkey).sample(range(expected), count))
+        checks = []
+        for index in chosen:
+            x = tokens[index * mbs:(index + 1) * mbs]
+            reference = recompute_fingerprints(self.bench.model, x, nonce=nonce, micro_batch_size=mbs,
+                                               precision=self.trainer.precision)[0]
+            try:
+                claimed = Fingerprint.from_dict(micro[index])
+            except (KeyError, TypeError, ValueError):
+                checks.append(MicroBatchCheck(passed=False, similarity=0.0, loss_rel_err=math.inf))
+                continue
+            cmp = compare_fingerprints(claimed, reference)
+            rel = cmp.loss_diff / max(abs(reference.loss), 1e-6)
+            checks.append(MicroBatchCheck(passed=cmp.passed and claimed.nonce == nonce, similarity=cmp.cosine,
+                                          loss_rel_err=rel))
+            if not cmp.passed:
+                probe.note = "; ".join(cmp.reasons)
+        probe.checks = checks
+
+    def _deadline(self) -> float:
+        a = self.cfg.allreduce
+        return a.matchmaking_time * 3 + a.allreduce_timeout
+
+    def _weight_cap(self) -> float:
+        """The most samples an honest miner brings to a round: its local batch plus our Train pages."""
+        return float(self.cfg.miner.local_batch_size
+                     + self.cfg.validator.pages_per_query * self.cfg.data.page_sequences)
+
+    def _allreduce(self, probes: list[Probe], round_no: int):
+        import torch
+
+        from dtrain.api.client import ApiError
+
+        body = {"round_id": f"{self.bench.run_id}-{self.epoch}-{round_no}", "epoch": self.epoch,
+                "weight_cap": self._weight_cap(), "deadline_s": self._deadline()}
+        self.tel.round_started({"round_id": body["round_id"], "epoch": self.epoch, "miners": len(probes)})
+
+        def ask(probe: Probe) -> None:
+            try:
+                probe.allreduce = self.client.allreduce(probe.api, probe.hotkey, body, timeout=self._deadline() + 60)
+            except ApiError as exc:
+                probe.allreduce_error = str(exc)
+
+        with ThreadPoolExecutor(max_workers=min(16, len(probes))) as pool:
+            futures = [pool.submit(ask, p) for p in probes]
+            tensors = [z.clone() for z in self.zeros]
+            record = self.swarm.run_round(tensors, weight=0.0, cap=self._weight_cap(),
+                                          expected_peers=[p.peer_id for p in probes], timeout_s=self._deadline())
+            for f in futures:
+                f.result()
+        if record.ok and all(bool(torch.isfinite(t).all()) for t in tensors):
+            self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(tensors, self.trainer.params)],
+                                       num_samples=1)
+            self.trainer.step()
+            self.epoch += 1
+            self.trainer.counters.epoch = self.epoch
+            self._refresh_digest()
+            self._save_checkpoint()
+            if record.fraction_averaged < 1.0:
+                self._catch_up()
+        self.tel.round_finished(record.to_dict())
+        return record
+
+    def _score(self, probes: list[Probe], record, neurons) -> dict:
+        from dtrain.swarm.records import Outcome
+        from dtrain.validation.scoring import (
+            AllReduceObservation, MinerRoundInput, ScoringConfig, TrainCheck, combined_scores, score_round,
+            update_ema,
+        )
+
+        v = self.cfg.validator
+        scfg = ScoringConfig(w_gradient=v.weight_gradient, w_steps=v.weight_steps, w_bandwidth=v.weight_bandwidth,
+                             w_participation=v.weight_allreduce, ema_alpha=v.ema_alpha)
+        claimed_by_peer = {p.peer_id: p.weight_claimed for p in record.peers}
+        inputs = {}
+        for probe in probes:
+            outcome = record.outcome_of(probe.peer_id)
+            if outcome is None:
+                outcome = Outcome.NOT_ALIVE if probe.status is None else Outcome.NON_PARTICIPATING
+            probe.outcome = outcome.value
+            throughput = None
+            miner_round = (probe.allreduce or {}).get("round") if probe.allreduce else None
+            if isinstance(miner_round, dict) and miner_round.get("duration_s"):
+                moved = float(miner_round.get("bytes_sent", 0)) + float(miner_round.get("bytes_received", 0))
+                throughput = moved / max(float(miner_round["duration_s"]), 1e-6)
+            train = None
+            if probe.train is not None or probe.checks:
+                passed = bool(probe.checks) and all(c.passed for c in probe.checks)
+                verified = int(self._weight_cap()) if passed else 0
+                claimed = claimed_by_peer.get(probe.peer_id)
+                if claimed is None:
+                    claimed = float((probe.train or {}).get("samples_total", 0) or 0)
+                train = TrainCheck(checks=list(probe.checks), claimed_samples=int(min(claimed, 2**62)),
+                                   verified_samples=verified)
+            inputs[probe.uid] = MinerRoundInput(train=train,
+                                                allreduce=AllReduceObservation(outcome.value, throughput),
+                                                state_slice_bps=probe.slice_bps)
+        scores = score_round(inputs, scfg)
+        hotkeys = {n.uid: n.hotkey for n in neurons}
+        self.state.ema = update_ema(self.state.ema, combined_scores(scores), hotkeys, alpha=scfg.ema_alpha)
+        for probe in probes:
+            s = scores[probe.uid]
+            self.state.last_scores[probe.uid] = {**s.as_dict(), "hotkey": probe.hotkey, "outcome": probe.outcome,
+                                                 "note": probe.note, "ema": self.state.ema.scores.get(probe.uid, 0.0)}
+        return scores
+
+    def _weights(self, neurons) -> dict[int, float]:
+        from dtrain.chain.base import ChainError
+        from dtrain.validation.weights import (
+            WeightSetPolicy, compute_weights, record_failure, record_success, should_set,
+        )
+
+        miner_uids = [n.uid for n in neurons if not n.validator_permit]
+        weights = compute_weights(self.state.ema.scores, miner_uids)
+        if not weights:
+            return {}
+        try:
+            status = self.chain.weights_status(self.uid)
+            block = status.block
+            policy = WeightSetPolicy(rate_limit_blocks=status.rate_limit if status.rate_limit is not None else 100)
+        except ChainError as exc:
+            self.tel.health("chain", ok=False, detail=str(exc))
+            return weights
+        if should_set(policy, self.state.weight_set, block):
+            uids = sorted(weights)
+            try:
+                self.chain.set_weights(uids, [weights[u] for u in uids])
+                self.state.weight_set = record_success(self.state.weight_set, block)
+                self.tel.health("chain", ok=True)
+                self.tel.event(f"weights set at block {block} for {len(uids)} miners")
+            except ChainError as exc:
+                self.state.weight_set = record_failure(policy, self.state.weight_set, block, str(exc))
+                self.tel.health("chain", ok=False, detail=str(exc))
+                self.tel.event(f"setting weights failed ({exc}); retrying later")
+        return weights
+
+    def _summary(self, round_no, probes, record, scores, weights, loss_before, loss_after, verify_s) -> dict:
+        rows = []
+        for probe in probes:
+            s = scores[probe.uid]
+            rows.append({"uid": probe.uid, "hotkey": probe.hotkey, "outcome": probe.outcome,
+                         "score": s.combined, "ema": self.state.ema.scores.get(probe.uid, 0.0),
+                         "weight": weights.get(probe.uid, 0.0), "gated": list(s.gated), "note": probe.note,
+                         "train_s": round(probe.train_seconds, 3)})
+        self._update_miner_table(weights)
+        participants = [r["uid"] for r in rows if r["outcome"] == "SUCCESS"]
+        return {
+            "round": round_no, "epoch": self.epoch, "round_id": record.round_id,
+            "status": "success" if record.ok else "failed", "participants": participants,
+            "duration_s": round(record.duration_s, 3), "bytes": record.bytes_sent + record.bytes_received,
+            "fraction_averaged": record.fraction_averaged, "error": record.error,
+            "loss_before": loss_before, "loss_after": loss_after, "verify_s": round(verify_s, 3),
+            "train_query_s": round(sum(p.train_seconds for p in probes), 3), "miners": rows,
+            "time": time.time(),
+        }
+
+    # ------------------------------------------------------------------ helpers
+
+    def _commitments(self) -> dict:
+        from dtrain.chain.base import ChainError
+
+        try:
+            found = self.chain.commitments()
+            self.tel.health("chain", ok=True)
+            return found
+        except ChainError as exc:
+            self.tel.health("chain", ok=False, detail=str(exc))
+            return {}
+
+    def _connect_peers(self, commitments: dict) -> None:
+        from dtrain.neurons.discovery import peer_maddrs
+
+        peers = peer_maddrs(commitments.values(), exclude_peer=self.node.peer_id)
+        fresh = [p for p in peers if p not in self.node.config.initial_peers]
+        if fresh or self.node.num_known_peers() == 0:
+            self.node.config.initial_peers = list(dict.fromkeys([*self.node.config.initial_peers, *peers]))
+            try:
+                self.node.try_bootstrap_once()
+            except Exception as exc:
+                log.debug("bootstrap attempt failed: %r", exc)
+        self.tel.update(peers_seen=self.node.num_known_peers())
+
+    def _eval_batch(self):
+        from dtrain.training.data import assign_pages
+
+        reader = self.bench.reader
+        pages = assign_pages(run_id=self.bench.run_id, uid=0, epoch=0, counter=0, count=EVAL_PAGES,
+                             num_pages=reader.num_pages, nonce="eval", max_uids=MAX_UIDS)
+        return reader.read_pages(pages)
+
+    def _eval_loss(self) -> float:
+        """Loss of this replica (kept in step with the swarm) on a fixed held-out batch."""
+        import torch
+
+        from dtrain.training.trainer import microbatch_loss
+
+        mbs = self.cfg.miner.micro_batch_size
+        losses = []
+        with torch.no_grad():
+            x_all = self.eval_tokens.to(self.trainer.device)
+            for start in range(0, x_all.shape[0], mbs):
+                losses.append(float(microbatch_loss(self.bench.model, x_all[start:start + mbs],
+                                                    self.trainer.precision)))
+        loss = sum(losses) / len(losses)
+        self.tel.train_metrics(loss=loss, tokens_per_s=0.0, lr=self.trainer.lr, epoch=self.epoch,
+                               inner_step=self.trainer.counters.inner_step)
+        return loss
+
+    def _catch_up(self) -> None:
+        from dtrain.neurons.sync import import_state
+
+        try:
+            loaded = self.swarm.load_state_from_peers(timeout_s=30)
+            if loaded:
+                self.epoch = import_state(self.trainer, loaded[0], loaded[1])
+                self._refresh_digest()
+                self.tel.event(f"resynchronised model state from a peer at epoch {self.epoch}")
+        except Exception as exc:
+            self.tel.event(f"resynchronisation failed: {exc!r}")
+
+    def _refresh_digest(self) -> None:
+        from dtrain.neurons.runtime import params_digest
+
+        self._digest = params_digest(self.trainer)
+
+    def _save_checkpoint(self) -> None:
+        from dtrain.training.checkpoint import save_checkpoint
+        from dtrain.training.loop import LoopState, training_state
+
+        save_checkpoint(self.ckpt_dir, training_state(
+            self.trainer, LoopState(run_id=self.bench.run_id, uid=0, epoch=self.epoch, max_uids=MAX_UIDS)))
+
+    def _update_miner_table(self, weights: dict[int, float]) -> None:
+        rows = []
+        for uid, s in sorted(self.state.last_scores.items()):
+            rows.append(MinerRow(uid=uid, hotkey=str(s.get("hotkey", "")), gradient=s.get("gradient") or 0.0,
+                                 steps=s.get("steps") or 0.0, bandwidth=s.get("bandwidth") or 0.0,
+                                 allreduce=s.get("participation") or 0.0, score=s.get("combined") or 0.0,
+                                 ema=self.state.ema.scores.get(uid, 0.0), weight=weights.get(uid, 0.0),
+                                 last_outcome=str(s.get("outcome", "")), note=", ".join(s.get("gated") or [])
+                                 or str(s.get("note", ""))))
+        self.tel.set_miners(rows)
+
+    def _restore_dashboard(self) -> None:
+        from dtrain.validation.weights import compute_weights
+
+        # After a restart the miner table shows the persisted scores straight away.
+        self._update_miner_table(compute_weights(self.state.ema.scores))
+
+    def _publish(self) -> None:
+        try:
+            write_status_file(str(self.dir / "status.json"), self.tel.snapshot())
+        except OSError as exc:
+            log.debug("status file not written: %r", exc)
+
+    def verification_cost(self) -> dict[str, Any]:
+        return {"verify_s": self.verify_seconds}

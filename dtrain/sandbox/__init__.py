@@ -1,0 +1,1 @@
+"""The embedded sandbox: a whole subnet on one machine."""

@@ -1,0 +1,321 @@
+"""``dtrain sandbox``: a whole subnet on this machine.
+
+It creates the embedded chain, real sr25519 wallets, one validator and the miners,
+each a separate ``dtrain mine`` / ``dtrain validate`` process on loopback with the
+tiny model and the shipped text. The validator runs ``rounds`` rounds and exits;
+then every miner is stopped with SIGINT (clean checkpoint, DHT left) and anything
+still alive after a grace period is killed with its whole process group, so no
+p2pd daemon outlives the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dtrain.config import Config, save_config
+from dtrain.sandbox import layout
+from dtrain.sandbox.layout import Member
+
+NETUID = 38
+RUN_ID = "sandbox"
+VALIDATOR_STAKE = 1000.0
+GRACE_S = 40.0
+
+
+@dataclass
+class SandboxOptions:
+    miners: int = 3
+    rounds: int = 2
+    adversaries: list[str] = field(default_factory=list)
+    directory: Path | None = None
+    round_timeout_s: float = 240.0
+
+
+@dataclass
+class Child:
+    member: Member
+    process: subprocess.Popen
+    log: Path
+
+
+class SandboxError(Exception):
+    pass
+
+
+def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
+    """The config every sandbox neuron runs with: tiny model, shipped text, loopback only."""
+    cfg = Config()
+    cfg.wallet.name, cfg.wallet.hotkey, cfg.wallet.path = member.name, "default", str(layout.wallets_dir(root))
+    cfg.chain.network, cfg.chain.netuid, cfg.chain.sandbox_dir = "sandbox", NETUID, str(root)
+    cfg.node.role = member.role
+    cfg.node.data_dir = str(layout.neuron_dir(root, member.name) / "data")
+    cfg.model.preset, cfg.model.seq_len, cfg.model.run_id = "tiny", 128, RUN_ID
+    cfg.data.source, cfg.data.tokenizer, cfg.data.page_sequences = "local", "shipped", 8
+    m = cfg.miner
+    m.micro_batch_size, m.local_batch_size = 8, 16
+    m.lr, m.warmup_steps, m.total_steps, m.device, m.precision = 2e-3, 0, 1000, "cpu", "fp32"
+    v = cfg.validator
+    v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 2, 0.5
+    v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
+    a = cfg.allreduce
+    a.min_group_size, a.target_group_size = 2, 64
+    a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 5.0, 30.0
+    a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    cfg.hub.repo, cfg.hub.backoff_s = str(layout.store_dir(root)), 2.0
+    cfg.api.host, cfg.api.port = "127.0.0.1", 0
+    cfg.dashboard.enabled = False
+    return cfg
+
+
+def create_wallet(root: Path, name: str) -> str:
+    """A fresh, unencrypted sandbox wallet (real sr25519 keys); returns the hotkey ss58."""
+    import contextlib
+    import io
+
+    import bittensor as bt
+
+    wallet = bt.Wallet(name=name, hotkey="default", path=str(layout.wallets_dir(root)))
+    with contextlib.redirect_stdout(io.StringIO()):  # the SDK may print mnemonics; they are throwaway
+        wallet.create_new_coldkey(use_password=False, suppress=True, overwrite=True)
+        wallet.create_new_hotkey(use_password=False, suppress=True, overwrite=True)
+    return wallet.hotkey.ss58_address
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTRAIN_", "BT_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               # Several neurons share the machine's cores; one thread each avoids thrashing.
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+class Sandbox:
+    def __init__(self, options: SandboxOptions, *, on_event: Callable[[str], None] | None = None):
+        self.options = options
+        self.on_event = on_event or (lambda message: None)
+        self.children: list[Child] = []
+        self._temp: tempfile.TemporaryDirectory | None = None
+        self._stopping = threading.Event()
+        self.started_at = time.time()
+        if options.directory is not None:
+            self.root = Path(options.directory).expanduser().resolve()
+        else:
+            self._temp = tempfile.TemporaryDirectory(prefix="dtrain-sandbox-")
+            self.root = Path(self._temp.name)
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> list[Member]:
+        from dtrain.chain import sandbox as chain_sandbox
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        if layout.manifest_path(self.root).exists():
+            raise SandboxError(f"{self.root} already holds a sandbox; choose an empty --dir or delete it")
+        self.on_event(f"creating the sandbox chain in {self.root}")
+        chain_sandbox.create(self.root, netuid=NETUID, block_time=1.0, weights_rate_limit=1)
+        chain = chain_sandbox.SandboxChain(self.root, netuid=NETUID)
+        specs = [("validator", "validator", "validator")]
+        specs += [(f"miner{i}", "miner", "honest") for i in range(1, self.options.miners + 1)]
+        specs += [(f"adv-{kind}-{i}", "miner", kind) for i, kind in enumerate(self.options.adversaries, 1)]
+        members = []
+        try:
+            for name, role, kind in specs:
+                hotkey = create_wallet(self.root, name)
+                uid = chain.register(hotkey, stake=VALIDATOR_STAKE if role == "validator" else 0.0,
+                                     validator_permit=role == "validator")
+                members.append(Member(name=name, role=role, kind=kind, uid=uid, hotkey=hotkey))
+        finally:
+            chain.close()
+        total_miners = len(members) - 1
+        for member in members:
+            ndir = layout.neuron_dir(self.root, member.name)
+            ndir.mkdir(parents=True, exist_ok=True)
+            save_config(neuron_config(self.root, member, total_miners), ndir / "config.toml", overwrite=True)
+        layout.store_dir(self.root).mkdir(exist_ok=True)
+        layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,
+                                                   "netuid": NETUID, "run_id": RUN_ID})
+        self.members = members
+        self.on_event(f"registered 1 validator and {total_miners} miners with real sr25519 hotkeys")
+        return members
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, member: Member, extra: list[str]) -> Child:
+        ndir = layout.neuron_dir(self.root, member.name)
+        log = ndir / "log.txt"
+        command = "mine" if member.role == "miner" else "validate"
+        argv = [sys.executable, "-m", "dtrain", command, "--config", str(ndir / "config.toml"),
+                "--no-dashboard", *extra]
+        if member.role == "miner" and member.kind != "honest":
+            argv += ["--adversary", member.kind]
+        with open(log, "ab") as fh:
+            # Own session: the whole process group (the neuron, its hivemind workers and p2pd)
+            # can be signalled and, if need be, killed together.
+            process = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=child_env(), cwd=str(ndir), start_new_session=True)
+        child = Child(member, process, log)
+        self.children.append(child)
+        return child
+
+    def _wait_for_commitment(self, hotkey: str, timeout_s: float) -> bool:
+        from dtrain.chain.sandbox import SandboxChain
+
+        chain = SandboxChain(self.root, netuid=NETUID)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline and not self._stopping.is_set():
+                if hotkey in chain.commitments():
+                    return True
+                if any(c.process.poll() is not None for c in self.children):
+                    return False
+                time.sleep(0.5)
+        finally:
+            chain.close()
+        return False
+
+    def start(self) -> None:
+        miners = [m for m in self.members if m.role == "miner"]
+        validator = next(m for m in self.members if m.role == "validator")
+        # The first miner starts alone; everyone else finds it (and each other) through
+        # its chain commitment, exactly as on the real subnet: no bootstrap address is given.
+        first = self._spawn(miners[0], [])
+        self.on_event(f"started {miners[0].name} (uid {miners[0].uid}); waiting for its commitment")
+        if not self._wait_for_commitment(miners[0].hotkey, 240):
+            raise SandboxError(f"{miners[0].name} did not come up; see {first.log}")
+        for member in miners[1:]:
+            self._spawn(member, [])
+        for member in miners[1:]:
+            if not self._wait_for_commitment(member.hotkey, 240):
+                raise SandboxError(f"{member.name} did not come up; see {layout.neuron_dir(self.root, member.name)}/log.txt")
+        self.on_event(f"all {len(miners)} miners committed; starting the validator")
+        self._spawn(validator, ["--max-rounds", str(self.options.rounds)])
+
+    def wait_for_validator(self) -> int:
+        validator = next(c for c in self.children if c.member.role == "validator")
+        deadline = time.monotonic() + 120 + self.options.rounds * self.options.round_timeout_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            code = validator.process.poll()
+            if code is not None:
+                return code
+            time.sleep(0.5)
+        if self._stopping.is_set():
+            return 130
+        raise SandboxError(f"the validator did not finish {self.options.rounds} rounds in time; see {validator.log}")
+
+    def stop_all(self) -> None:
+        """SIGINT everyone (clean shutdown), then kill whatever is left, group and all."""
+        self._stopping.set()
+        for child in self.children:
+            if child.process.poll() is None:
+                try:
+                    os.killpg(child.process.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + GRACE_S
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in self.children:
+            # Even a neuron that exited cleanly may have left a daemon in its group.
+            try:
+                os.killpg(child.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if child.process.poll() is None:
+                child.process.wait(timeout=10)
+
+    def cleanup(self) -> None:
+        if self._temp is not None:
+            self._temp.cleanup()
+
+    # ------------------------------------------------------------------ live view + summary
+
+    def neuron_views(self) -> list[dict]:
+        files = layout.status_files(self.root)
+        rows = []
+        for member in self.members:
+            doc = {}
+            path = files.get(member.name)
+            if path is not None:
+                try:
+                    doc = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    doc = {}
+            child = next((c for c in self.children if c.member.name == member.name), None)
+            alive = child is not None and child.process.poll() is None
+            rows.append({"name": member.name, "role": member.role, "kind": member.kind, "uid": member.uid,
+                         "alive": alive, "state": doc.get("state", "starting" if alive else "not started"),
+                         "epoch": doc.get("epoch"), "loss": doc.get("loss"), "peers": doc.get("peers_seen"),
+                         "samples": doc.get("samples"), "events": (doc.get("events") or [])[-1:]})
+        return rows
+
+    def summary(self) -> dict:
+        return build_summary(self.root, wall_s=time.time() - self.started_at)
+
+
+def build_summary(root: Path, wall_s: float | None = None) -> dict:
+    """The sandbox's outcome, from the validator's persisted state and the chain."""
+    from dtrain.chain.sandbox import SandboxChain
+
+    manifest = layout.read_manifest(root) or {"members": []}
+    members = [Member(**m) for m in manifest["members"]]
+    state_files = layout.validator_state_files(root)
+    state = json.loads(state_files[0].read_text()) if state_files else {}
+    rounds_raw = state.get("recent_rounds", [])
+    by_uid = {m.uid: m for m in members}
+    chain_weights: dict[int, float] = {}
+    validator_uid = next((m.uid for m in members if m.role == "validator"), None)
+    try:
+        chain = SandboxChain(root, netuid=NETUID)
+        try:
+            chain_weights = chain.weights().get(validator_uid, {}) if validator_uid is not None else {}
+        finally:
+            chain.close()
+    except Exception:
+        chain_weights = {}
+    rounds = []
+    for r in rounds_raw:
+        rounds.append({"round": r.get("round"), "status": r.get("status"), "participants": r.get("participants", []),
+                       "duration_s": r.get("duration_s"), "bytes": r.get("bytes", 0), "epoch": r.get("epoch"),
+                       "fraction_averaged": r.get("fraction_averaged"), "error": r.get("error", ""),
+                       "loss_before": r.get("loss_before"), "loss_after": r.get("loss_after"),
+                       "verify_s": r.get("verify_s"), "train_query_s": r.get("train_query_s"),
+                       "outcomes": {str(m["uid"]): m["outcome"] for m in r.get("miners", [])}})
+    last_scores = {int(k): v for k, v in state.get("last_scores", {}).items()}
+    ema = {int(k): float(v) for k, v in state.get("ema", {}).items()}
+    miners = []
+    for member in members:
+        if member.role != "miner":
+            continue
+        s = last_scores.get(member.uid, {})
+        miners.append({"uid": member.uid, "name": member.name, "hotkey": member.hotkey, "kind": member.kind,
+                       "score": ema.get(member.uid, 0.0), "weight": float(chain_weights.get(member.uid, 0.0)),
+                       "last_round": s.get("combined"), "outcome": s.get("outcome"), "gated": s.get("gated", []),
+                       "components": {k: s.get(k) for k in ("gradient", "steps", "bandwidth", "participation")}})
+    curve = []
+    if rounds:
+        curve.append(rounds[0]["loss_before"])
+        curve += [r["loss_after"] for r in rounds]
+    curve = [c for c in curve if isinstance(c, (int, float))]
+    verify = sum(r.get("verify_s") or 0 for r in rounds)
+    train = sum(r.get("train_query_s") or 0 for r in rounds)
+    return {
+        "dir": str(root), "wall_s": round(wall_s, 1) if wall_s is not None else None,
+        "rounds": rounds, "miners": miners,
+        "loss": {"start": curve[0] if curve else None, "end": curve[-1] if curve else None, "curve": curve},
+        "verification": {"verify_s": round(verify, 3), "train_query_s": round(train, 3),
+                         "ratio": round(verify / train, 4) if train else None},
+        "uids": {str(uid): m.name for uid, m in by_uid.items()},
+    }
