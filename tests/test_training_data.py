@@ -95,6 +95,16 @@ def test_local_text_files_stream_through_datasets(tmp_path, tokenizer):
     assert batch.shape == (4, 16) and batch[2:].equal(x)
 
 
+def test_remote_source_never_counts_its_shards(tokenizer):
+    from dtrain.training.data import REMOTE_WINDOWS_PER_SHARD
+
+    # counting FineWeb's shards would stream the whole dataset; the default is fixed instead
+    reader = PageReader(DataSource.fineweb(), tokenizer, PageSpec())
+    assert reader.windows_per_shard == REMOTE_WINDOWS_PER_SHARD
+    assert reader._ds is None  # nothing was opened
+    assert PageReader(DataSource.fineweb(), tokenizer, PageSpec(windows_per_shard=7)).windows_per_shard == 7
+
+
 def test_short_window_is_repeated_to_fill_the_page(tmp_path, tokenizer):
     p = tmp_path / "one.txt"
     p.write_text("alpha beta\n")

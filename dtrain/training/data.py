@@ -21,9 +21,9 @@ stream is repeated (deterministically) to fill the page. A page depends only on
 the dataset files (fixed, versioned) and the tokenizer, so any process can rebuild
 it, and reading it costs at most ``windows_per_shard * docs_per_page`` skipped
 records. ``num_pages = n_shards * windows_per_shard``. When ``windows_per_shard``
-is not given it is counted by streaming every shard once (fine for local files;
-configure it for FineWeb). A window beyond the end of a shorter shard wraps
-around that shard.
+is not given it is counted by streaming every shard once for local files (the
+smallest shard sets it) and is REMOTE_WINDOWS_PER_SHARD for Hub datasets. A
+window beyond the end of a shorter shard wraps around that shard.
 
 Assignment
 ----------
@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 FINEWEB = "HuggingFaceFW/fineweb"
 FINEWEB_CONFIG = "sample-350BT"
 ASSIGNMENT_VERSION = "dtrain/pages/v1"
+# Windows per shard assumed for remote (Hub) sources when PageSpec leaves it unset:
+# 1024 windows x 32 docs = the first ~32k documents of each FineWeb parquet shard,
+# which bounds a page read to skipping at most that many records.
+REMOTE_WINDOWS_PER_SHARD = 1024
 
 
 # --------------------------------------------------------------------------- sources
@@ -198,7 +202,10 @@ class PageSpec:
     seq_len: int = 1024
     page_sequences: int = 8
     docs_per_page: int = 32
-    windows_per_shard: int | None = None  # None: count by streaming each shard once
+    # None: count by streaming each shard once for local files; for Hub datasets
+    # (FineWeb: hundreds of multi-GB shards) counting is impossible, so None means
+    # REMOTE_WINDOWS_PER_SHARD there.
+    windows_per_shard: int | None = None
 
     @property
     def tokens_per_page(self) -> int:
@@ -245,6 +252,8 @@ class PageReader:
     def windows_per_shard(self) -> int:
         if self.spec.windows_per_shard is not None:
             return self.spec.windows_per_shard
+        if self.source.data_files is None:
+            return REMOTE_WINDOWS_PER_SHARD
         if self._windows_per_shard is None:
             # The smallest shard bounds the uniform page grid, so every page is a real window.
             self._windows_per_shard = min(self._count_windows(s) for s in range(self.num_shards))
