@@ -45,9 +45,11 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 class NetnsLab:
     """Namespaces ``<tag>p<i>`` bridged through ``<tag>br``; every link rate-limited with tbf."""
 
-    def __init__(self, peers: int, rate_mbit: float, tag: str | None = None, subnet_id: int | None = None):
+    def __init__(self, peers: int, rate_mbit: float, tag: str | None = None, subnet_id: int | None = None,
+                 peer_rates_mbit: dict[int, float] | None = None):
         self.n = peers
         self.rate_mbit = rate_mbit
+        self.peer_rates_mbit = dict(peer_rates_mbit or {})  # per-peer override (a throttled straggler)
         self.tag = tag or f"dt{os.getpid() % 100000}"
         self.subnet_id = subnet_id if subnet_id is not None else (os.getpid() % 200) + 20
         self.bridge_ns = f"{self.tag}br"
@@ -70,11 +72,11 @@ class NetnsLab:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _tbf(self, ns: str, dev: str) -> None:
+    def _tbf(self, ns: str, dev: str, rate_mbit: float) -> None:
         # burst ~ 1 ms at line rate (>= MTU); queue of 100 ms so parallel TCP flows are not tail-dropped
-        burst = max(int(self.rate_mbit * 1e6 / 8 / 1000), 16 * 1024)
+        burst = max(int(rate_mbit * 1e6 / 8 / 1000), 16 * 1024)
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-             "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
+             "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
 
     def _setup(self) -> None:
         _run("ip", "netns", "add", self.bridge_ns)
@@ -96,8 +98,9 @@ class NetnsLab:
             _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", inner)
             _run("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
-            self._tbf(ns, inner)  # upload
-            self._tbf(b, outer)  # download
+            rate = self.peer_rates_mbit.get(i, self.rate_mbit)
+            self._tbf(ns, inner, rate)  # upload
+            self._tbf(b, outer, rate)  # download
 
     def popen(self, i: int, argv: list[str]) -> subprocess.Popen:
         return subprocess.Popen(
@@ -168,7 +171,7 @@ def worker(args) -> int:
                 cfg = AveragingConfig(
                     prefix=f"bench_dtrain_{args.peers}", min_group_size=args.peers, target_group_size=args.peers,
                     min_matchmaking_time_s=args.matchmaking_s, request_timeout_s=1.0, matchmaking_timeout_s=120,
-                    allreduce_timeout_s=300, sender_timeout_s=60, part_size_bytes=args.part_size_bytes,
+                    allreduce_timeout_s=300, sender_timeout_s=args.sender_timeout, part_size_bytes=args.part_size_bytes,
                     allow_state_sharing=False,
                 )
                 swarm = GradientSwarm(node.dht, [mine], "bench", cfg)
@@ -188,7 +191,8 @@ def worker(args) -> int:
                         bad = (diff > 1e-5).nonzero().flatten()
                         out.append(dict(impl=impl, round=r, seconds=seconds, inner_allreduce_s=rec.allreduce_s,
                                         n_bad=int(bad.numel()), bad_range=[int(bad.min()), int(bad.max())] if bad.numel() else [],
-                                        local_equal=int((data == mine).sum()), peers_in_record=[(p.outcome.value, p.reason) for p in rec.peers],
+                                        local_equal=int((data == mine).sum()), peer_id=rec.local_peer_id,
+                                        outcomes={p.peer_id: p.outcome.value for p in rec.peers},
                                         ok=not rec.error and rec.fraction_averaged == 1.0, max_abs_error=err,
                                         bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received))
                         swarm._step = None
@@ -243,14 +247,17 @@ def _read_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
 
 
 def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: str, part_size_bytes: int,
-              matchmaking_s: float = 3.0, timeout_s: float = 400) -> dict:
+              matchmaking_s: float = 3.0, timeout_s: float = 400, peer_rates_mbit: dict | None = None,
+              sender_timeout_s: float = 60.0, raw: list | None = None) -> dict:
+    """Run one lab; ``raw`` (if given) receives every worker's per-round rows."""
     procs: list[subprocess.Popen] = []
-    with NetnsLab(peers, rate_mbit) as lab:
+    with NetnsLab(peers, rate_mbit, peer_rates_mbit=peer_rates_mbit) as lab:
         try:
             def start(i: int, boot: str | None) -> subprocess.Popen:
                 argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--ip", lab.ip(i),
                         "--peers", str(peers), "--size-mb", str(size_mb), "--rounds", str(rounds), "--impls", impls,
-                        "--part-size-bytes", str(part_size_bytes), "--matchmaking-s", str(matchmaking_s)]
+                        "--part-size-bytes", str(part_size_bytes), "--matchmaking-s", str(matchmaking_s),
+                        "--sender-timeout", str(sender_timeout_s)]
                 if boot:
                     argv += ["--initial-peer", boot]
                 return lab.popen(i, argv)
@@ -260,10 +267,16 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
             for i in range(1, peers):
                 procs.append(start(i, boot))
             results = [json.loads(_read_line(p, "RESULT ", timeout_s)) for p in procs]
+            if raw is not None:
+                raw.extend(results)
+            for p in procs:  # workers exit by themselves after RESULT (clean DHT/p2pd shutdown)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(30)
         finally:
             for p in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGTERM)
             for p in procs:
                 with contextlib.suppress(Exception):
                     p.wait(10)
@@ -296,10 +309,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--size-mb", type=float, default=16.0)
-    ap.add_argument("--rate-mbit", type=float, default=100.0)
+    ap.add_argument("--rate-mbit", type=float, nargs="+", default=[100.0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--impls", default="dtrain,hivemind")
-    ap.add_argument("--part-size-bytes", type=int, default=2**19)
+    ap.add_argument("--part-size-bytes", type=int, default=2**17, help="dtrain part size (hivemind keeps its default)")
     ap.add_argument("--matchmaking-s", type=float, default=3.0)
     ap.add_argument("--json", action="store_true")
     # worker mode (internal)
@@ -307,6 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--ip", default="", help=argparse.SUPPRESS)
     ap.add_argument("--initial-peer", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--sender-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         args.peers = args.peers[0]
@@ -320,9 +334,10 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, _sig)
     results = []
-    for n in args.peers:
-        results.append(run_group(n, args.size_mb, args.rate_mbit, args.rounds, args.impls, args.part_size_bytes,
-                                 args.matchmaking_s))
+    for rate in args.rate_mbit:
+        for n in args.peers:
+            results.append(run_group(n, args.size_mb, rate, args.rounds, args.impls, args.part_size_bytes,
+                                     args.matchmaking_s))
         if not args.json:
             print(json.dumps(results[-1], indent=2), flush=True)
     target_ok = all(

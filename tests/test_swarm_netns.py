@@ -1,0 +1,67 @@
+"""Peers in separate network namespaces over rate-limited veth links (root + iproute2 only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce_netns.py"
+
+
+def _lab_module():
+    spec = importlib.util.spec_from_file_location("dtrain_allreduce_netns", _BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _usable() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    probe = f"dtprobe{os.getpid() % 100000}"
+    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ok
+
+
+pytestmark.append(pytest.mark.skipif(not _usable(), reason="needs root, iproute2 and network namespaces"))
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_rate_limited_round_is_exact_and_cleans_up():
+    mod = _lab_module()
+    before = _namespaces()
+    res = mod.run_group(3, 2.0, 200.0, 1, "dtrain", 2**17, matchmaking_s=2.0, timeout_s=120)
+    assert res["dtrain"]["all_ok"] and res["dtrain"]["max_abs_error"] <= 1e-5
+    assert res["dtrain"]["seconds"] >= res["bound_s"] * 0.9  # the links really are limited
+    assert _namespaces() == before  # every namespace we made is gone
+
+
+def test_throttled_straggler_is_banned_others_complete():
+    mod = _lab_module()
+    raw: list = []
+    # peer 2 gets a 0.2 Mbit/s link: a 128 KiB part takes ~5 s, longer than the 2 s sender timeout
+    res = mod.run_group(
+        3, 1.0, 200.0, 1, "dtrain", 2**17, matchmaking_s=2.0, timeout_s=180,
+        peer_rates_mbit={2: 0.2}, sender_timeout_s=2.0, raw=raw,
+    )
+    rows = {row["peer_id"]: row for rows in raw for row in rows}
+    slow_id = raw[2][0]["peer_id"]
+    fast = [row for pid, row in rows.items() if pid != slow_id]
+    assert len(fast) == 2
+    for row in fast:
+        assert row["outcomes"][slow_id] == "FAIL"
+        assert row["max_abs_error"] < 10  # finite; the straggler's share stays local
+        assert row["seconds"] < 20  # did not wait for the straggler's full upload (~60 s at 0.2 Mbit)
+    assert res["bound_s"] > 0
