@@ -10,12 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 from dtrain.training.errors import ModelLoadError
 
-if TYPE_CHECKING:  # torch/transformers stay out of import time
-    import torch
+# torch and transformers are imported inside functions: importing this module
+# (e.g. for PRESETS in the CLI's --help) must stay cheap.
 
 
 GPT2_VOCAB_SIZE = 50257

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import torch
