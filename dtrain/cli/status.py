@@ -6,9 +6,7 @@ from typing import Annotated
 
 import typer
 
-from dtrain.cli.common import (
-    ConfigOpt, JsonOpt, NetuidOpt, NetworkOpt, NotYetAvailable, SandboxDirOpt, chain_overrides, cli_errors, load,
-)
+from dtrain.cli.common import ConfigOpt, JsonOpt, NetuidOpt, NetworkOpt, SandboxDirOpt, chain_overrides, cli_errors, load
 
 
 @cli_errors
@@ -23,5 +21,39 @@ def status(
 ) -> None:
     """Miners, global epoch and progress, and the last all-reduce rounds."""
     cfg = load(config, chain_overrides(network, netuid, None, None, None, sandbox_dir))
-    del cfg, watch, interval, json_out
-    raise NotYetAvailable("status: reading the chain lands with issue #5 and the dashboard with issue #6.")
+    from dtrain.status import collect_status
+
+    if json_out:
+        from dtrain.cli.common import print_json
+
+        print_json(collect_status(cfg))
+        return
+    from rich.console import Console
+
+    from dtrain.ui.status_view import render_status
+
+    console = Console()
+    if not watch:
+        console.print(render_status(collect_status(cfg)))
+        return
+    import threading
+
+    from dtrain.ui.dashboard import LiveDashboard
+
+    # Collect in the background: a slow chain must not freeze the screen.
+    latest = {"doc": collect_status(cfg)}
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(interval):
+            latest["doc"] = collect_status(cfg)
+
+    threading.Thread(target=poll, daemon=True, name="status-poll").start()
+    try:
+        with LiveDashboard(lambda: latest["doc"], console=console, refresh_hz=2.0, render=render_status):
+            while True:
+                stop.wait(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()

@@ -175,12 +175,9 @@ class Miner:
         if not (self.cfg.hub.repo and self.cfg.miner.push_after_round):
             return
         from dtrain.hub.pusher import BackgroundPusher
-        from dtrain.hub.targets import open_store
+        from dtrain.neurons.publish import open_configured_store
 
-        try:
-            store = open_store(self.cfg.hub.repo)
-        except ValueError as exc:
-            raise NeuronError(f"hub.repo: {exc}") from None
+        store = open_configured_store(self.cfg)
         self.pusher = BackgroundPusher(store, self.dir / "push-staging",
                                        retry_interval=max(1.0, self.cfg.hub.backoff_s)).start()
 
