@@ -62,9 +62,12 @@ def test_micro_batching_gives_the_full_batch_gradient(reader):
 
 def test_swarm_seam_replace_gradients_then_step(reader):
     x = _batch(reader, 0)
-    a = Trainer(_model(reader), TrainerConfig(micro_batch_size=4, grad_clip=None))
+    a = Trainer(_model(reader), TrainerConfig(micro_batch_size=4, local_batch_size=8, grad_clip=None))
     b = Trainer(_model(reader), TrainerConfig(micro_batch_size=4, grad_clip=None))
-    a.accumulate(x)
+    a.accumulate(x[:4])
+    assert a.accumulated_samples == 4 and not a.local_batch_full
+    a.accumulate(x[4:])
+    assert a.accumulated_samples == 8 and a.local_batch_full
     summed = [g.clone() for g in a.gradients()]
     # b accumulated other data, then receives a's gradients (as after an all-reduce) as a per-sample mean
     b.accumulate(_batch(reader, 5))

@@ -34,7 +34,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 @dataclass
 class TrainerConfig:
     micro_batch_size: int = 4
-    local_batch_size: int = 16  # samples per optimizer step in train_step()
+    local_batch_size: int = 16  # samples to accumulate before a local step (see Trainer.local_batch_full)
     optimizer: str = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1
@@ -191,6 +191,11 @@ class Trainer:
     @property
     def accumulated_tokens(self) -> int:
         return self._acc_tokens
+
+    @property
+    def local_batch_full(self) -> bool:
+        """True once ``local_batch_size`` samples are accumulated: time to step or to average."""
+        return self._acc_samples >= self.config.local_batch_size
 
     def accumulate(
         self,
