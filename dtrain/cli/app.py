@@ -47,4 +47,8 @@ app.command("sandbox")(sandbox.sandbox)
 
 
 def main() -> None:
+    import os
+
+    # hivemind logs every identity and connection at INFO; operators see our dashboards instead.
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     app(prog_name="dtrain")

@@ -227,6 +227,8 @@ class Sandbox:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        # Exit codes before the final kill: 0 means the neuron stopped cleanly on SIGINT.
+        self.exit_codes = {child.member.name: child.process.poll() for child in self.children}
         for child in self.children:
             # Even a neuron that exited cleanly may have left a daemon in its group.
             try:
@@ -262,7 +264,9 @@ class Sandbox:
         return rows
 
     def summary(self) -> dict:
-        return build_summary(self.root, wall_s=time.time() - self.started_at)
+        doc = build_summary(self.root, wall_s=time.time() - self.started_at)
+        doc["exit_codes"] = getattr(self, "exit_codes", {})
+        return doc
 
 
 def build_summary(root: Path, wall_s: float | None = None) -> dict:
