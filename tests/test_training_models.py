@@ -95,3 +95,13 @@ def test_tokenizer_fallback_only_when_allowed():
 def test_shipped_assets_are_reproducible(script):
     out = subprocess.run([sys.executable, str(ROOT / script), "--check"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_configured_tokenizer_loads_without_fallback(tmp_path):
+    # the AutoTokenizer path (the one distilgpt2 takes online), fed a local directory
+    from dtrain.training.tokenizer import load_fallback_tokenizer, load_tokenizer
+
+    load_fallback_tokenizer().save_pretrained(tmp_path / "tok")
+    tok, info = load_tokenizer(str(tmp_path / "tok"), local_files_only=True)
+    assert not info.is_fallback and info.name == str(tmp_path / "tok") and info.reason == ""
+    assert tok("hello there")["input_ids"] == load_fallback_tokenizer()("hello there")["input_ids"]
