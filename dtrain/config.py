@@ -159,6 +159,8 @@ class ApiConfig:
                    min=0, max=65535)
     external_address: str = _f("", "host:port committed on chain (empty: host:port above).")
     max_body_bytes: int = _f(1 << 20, "Largest request body accepted.", min=1)
+    metrics_port: int = _f(9092, "Validator's Prometheus /metrics port (miners serve /metrics on the API port); "
+                           "0 disables it.", min=0, max=65535)
 
 
 @dataclass

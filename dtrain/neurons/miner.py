@@ -148,7 +148,11 @@ class Miner:
                      state_slice=self._state_slice),
             self_hotkey=self.hotkey, is_allowed=ValidatorPermits(self.chain, refresh_s=30.0),
             host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
-        ).start()
+        )
+        from dtrain.metrics import register
+
+        register(self.tel, self.server.registry)
+        self.server.start()
         host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
         self.api_address = a.external_address or f"{host}:{self.server.port}"
         self.tel.update(api=self.api_address)

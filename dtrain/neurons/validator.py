@@ -89,6 +89,13 @@ class Validator:
         self.eval_tokens = self._eval_batch()
         self.client = MinerClient(self.wallet, timeout=max(60.0, self._deadline() + 60))
         self._start_swarm()
+        if cfg.api.metrics_port:
+            from dtrain.metrics import serve
+
+            try:
+                serve(self.tel, cfg.api.host, cfg.api.metrics_port)
+            except OSError as exc:
+                self.tel.event(f"metrics endpoint not started on port {cfg.api.metrics_port}: {exc}")
         self.tel.update(state="validating")
         self._restore_dashboard()
         try:

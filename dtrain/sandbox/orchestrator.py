@@ -72,7 +72,7 @@ def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
     a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 5.0, 30.0
     a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
     cfg.hub.repo, cfg.hub.backoff_s = str(layout.store_dir(root)), 2.0
-    cfg.api.host, cfg.api.port = "127.0.0.1", 0
+    cfg.api.host, cfg.api.port, cfg.api.metrics_port = "127.0.0.1", 0, 0
     cfg.dashboard.enabled = False
     return cfg
 
