@@ -73,3 +73,24 @@ def test_local_bandwidth_benchmark_exact():
 def test_link_bound():
     assert link_bound_s(100e6, 4, 12.5e6) == pytest.approx(2 * 100e6 * 3 / 4 / 12.5e6)
     assert link_bound_s(1, 1, 1) == 0.0
+
+
+def test_real_mode_two_benchmarkers(tmp_path):
+    from dtrain.swarm.bandwidth import run_real
+
+    with local_nodes(1) as (boot,):
+        maddrs = boot.visible_maddrs()
+        boot_id = boot.peer_id
+        kw = dict(size_mb=1.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], link_mbit=1000.0, matchmaking_s=2.0,
+                  connect_timeout_s=20, round_timeout_s=60)
+        a, b = run_concurrently(
+            [lambda: run_real(maddrs, data_dir=str(tmp_path / "a"), **kw),
+             lambda: run_real(maddrs, data_dir=str(tmp_path / "b"), **kw)],
+            timeout_s=120,
+        )
+    for r in (a, b):
+        assert r["ok"], r["errors"]
+        assert r["peers"] == 2 and r["seconds"] > 0 and r["bytes_sent"] > 0
+        assert boot_id in r["latency_ms"] and r["latency_ms"][boot_id] >= 0
+        assert r["bound_s"] > 0 and r["efficiency"] is not None
+        assert __import__("json").dumps(r)

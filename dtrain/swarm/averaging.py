@@ -95,14 +95,6 @@ def schema_hash(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()[:32]
 
 
-def model_fingerprint(named_shapes: Sequence[tuple[str, Sequence[int]]], extra: str = "") -> str:
-    """A default fingerprint from parameter names and shapes (callers may pass their own string)."""
-    h = hashlib.sha256(extra.encode())
-    for name, shape in named_shapes:
-        h.update(f"{name}:{tuple(shape)};".encode())
-    return h.hexdigest()[:32]
-
-
 # --------------------------------------------------------------------------------------------
 # hivemind subclasses (run inside the averager's background process)
 # --------------------------------------------------------------------------------------------
@@ -445,14 +437,14 @@ class _DtrainAverager(DecentralizedAverager):
             )
         container = runner.tensor_part_container
         total = max(container.total_size, 1)
+        my_mode = modes[group_info.peer_ids.index(self.peer_id)]
         return dict(
             round_id=group_info.group_id.hex(),
             group=[str(p) for p in group_info.peer_ids],
             peers=peers,
             bytes_sent=int(runner.bytes_sent),
             bytes_received=int(runner.bytes_received),
-            fraction_averaged=(1.0 - container.failed_size / total) if modes[group_info.peer_ids.index(self.peer_id)]
-            != AveragingMode.AUX else 0.0,
+            fraction_averaged=0.0 if my_mode == AveragingMode.AUX else 1.0 - container.failed_size / total,
             total_weight=float(sum(p["weight_used"] for p in peers)),
         )
 

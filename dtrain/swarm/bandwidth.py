@@ -174,6 +174,7 @@ def run_real(
     link_mbit: Optional[float] = None,
     connect_timeout_s: float = 60.0,
     round_timeout_s: float = 120.0,
+    matchmaking_s: float = 10.0,
     progress: ProgressFn = None,
 ) -> dict:
     """Measure latency to reachable peers and one real all-reduce round among benchmarking peers.
@@ -206,8 +207,8 @@ def run_real(
             prefix=f"{prefix}_{numel}",
             min_group_size=min_group_size,
             target_group_size=target_group_size,
-            min_matchmaking_time_s=10.0,
-            request_timeout_s=3.0,
+            min_matchmaking_time_s=matchmaking_s,
+            request_timeout_s=min(3.0, matchmaking_s / 2),
             matchmaking_timeout_s=round_timeout_s,
             allreduce_timeout_s=round_timeout_s,
             sender_timeout_s=30.0,
