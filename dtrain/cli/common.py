@@ -22,10 +22,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 NETWORKS = ("finney", "test", "local", "sandbox")
 
 
-class NotYetAvailable(Exception):
-    """A subcommand whose engine has not landed yet. Exits 3 with a plain message."""
-
-
 class CommandError(Exception):
     """A runtime failure the operator can act on (not a config problem). Exits 1."""
 
@@ -98,9 +94,6 @@ def cli_errors(fn: F) -> F:
         except ConfigError as exc:
             err(f"dtrain: config error: {exc}")
             raise typer.Exit(2) from None
-        except NotYetAvailable as exc:
-            err(f"dtrain: {exc}")
-            raise typer.Exit(3) from None
         except CommandError as exc:
             err(f"dtrain: error: {exc}")
             raise typer.Exit(1) from None
