@@ -193,6 +193,7 @@ def worker(args) -> int:
                                         n_bad=int(bad.numel()), bad_range=[int(bad.min()), int(bad.max())] if bad.numel() else [],
                                         local_equal=int((data == mine).sum()), peer_id=rec.local_peer_id,
                                         outcomes={p.peer_id: p.outcome.value for p in rec.peers},
+                                        reasons={p.peer_id: p.reason for p in rec.peers if p.reason},
                                         ok=not rec.error and rec.fraction_averaged == 1.0, max_abs_error=err,
                                         bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received))
                         swarm._step = None

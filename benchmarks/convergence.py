@@ -121,7 +121,7 @@ def main(argv=None) -> int:
                 # per-sample mean with weight = samples -> the swarm returns the global per-sample mean
                 grads = [g / samples for g in tr.gradients()]
                 rec = swarms[i].run_round(grads, weight=samples, cap=args.page_sequences, tokens=tokens)
-                if rec.error or rec.fraction_averaged < 1.0:
+                if rec.error or rec.fraction_averaged < 1.0 or any(p.outcome.value != "SUCCESS" for p in rec.peers):
                     failures.append((i, s, rec.error, rec.fraction_averaged))
                 records[i].append(rec)
                 tr.set_gradients(grads, num_samples=1)
@@ -192,6 +192,11 @@ def main(argv=None) -> int:
                 diloco_loss=diloco_loss,
                 diloco_gap=(diloco_loss - reference_loss) / reference_loss,
                 diloco_outer_steps=len(drecords[0]),
+                diloco_failed_rounds=sum(
+                    1 for recs in drecords for r in recs
+                    if r.error or r.fraction_averaged < 1.0 or any(p.outcome.value != "SUCCESS" for p in r.peers)
+                ),
+                diloco_round_errors=sorted({r.error for recs in drecords for r in recs if r.error})[:3],
                 diloco_bytes_per_token=bytes_per_token(drecords[0]),
                 diloco_replicas_identical=all(
                     torch.equal(a, b) for tr in inner[1:] for a, b in zip(inner[0].params, tr.params)

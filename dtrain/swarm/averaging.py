@@ -71,7 +71,7 @@ class AveragingConfig:
     reducer_timeout_s: Optional[float] = None  # default 2 x sender timeout
     matchmaking_timeout_s: float = 30.0  # give up looking for a group after this long
     compression: str = "none"  # none | fp16 | 8bit | 8bit-quantile
-    part_size_bytes: int = 2**19
+    part_size_bytes: int = 2**17  # 128 KiB: finer pipelining than hivemind's 512 KiB; measured faster in netns
     bandwidth: Optional[float] = None  # MB/s hint for load balancing; None = "same as others"
     client_mode: Optional[bool] = None  # None: follow the DHT
     allow_state_sharing: bool = True
