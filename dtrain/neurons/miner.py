@@ -341,10 +341,13 @@ class Miner:
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
                 self._catch_up = True
-            self.tel.train_metrics(loss=metrics.loss if math.isfinite(metrics.loss) else (self._last_loss or 0.0),
-                                   tokens_per_s=metrics.tokens_per_s, grad_norm=metrics.grad_norm, lr=metrics.lr,
-                                   epoch=self.epoch, inner_step=metrics.inner_step,
-                                   samples_accumulated=0)
+            if math.isfinite(metrics.loss):
+                self.tel.train_metrics(loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
+                                       grad_norm=metrics.grad_norm, lr=metrics.lr, epoch=self.epoch,
+                                       inner_step=metrics.inner_step, samples_accumulated=0)
+            else:  # nothing was trained locally (e.g. only averaged gradients): no loss to report
+                self.tel.update(epoch=self.epoch, inner_step=metrics.inner_step, samples_accumulated=0,
+                                grad_norm=metrics.grad_norm, lr=metrics.lr)
             self._save_checkpoint()
             self._push()
         self.rounds_done += 1

@@ -104,6 +104,7 @@ class Validator:
                 started = time.monotonic()
                 self._round()
                 rounds += 1
+                self.tel.update(state="waiting for the next round")
                 self._publish()
                 if self.max_rounds is not None and rounds >= self.max_rounds:
                     break
