@@ -146,6 +146,7 @@ def worker(args) -> int:
             data_dir=tempfile.mkdtemp(prefix="dtrain-netns-"),
             host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
             initial_peers=[args.initial_peer] if args.initial_peer else [],
+            extra_dht_kwargs=dict(nat_port_map=False),  # nothing to map inside a namespace
         )
     ).start()
     print("MADDR " + node.visible_maddrs()[0], flush=True)

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     node = SwarmNode(
         NodeConfig(data_dir=tempfile.mkdtemp(prefix="dtrain-peer-"), host_maddrs=[args.host_maddr],
-                   initial_peers=args.initial_peer)
+                   initial_peers=args.initial_peer, extra_dht_kwargs=dict(nat_port_map=False))
     ).start()
     swarm = None
     try:

@@ -72,12 +72,18 @@ def run_local(
     try:
         _notify(progress, "starting peers", 0.0)
         loop = ["/ip4/127.0.0.1/tcp/0"]
-        first = SwarmNode(NodeConfig(data_dir=os.path.join(tmp, "p0"), host_maddrs=loop)).start()
+        local_only = dict(nat_port_map=False)  # loopback peers: never probe the LAN gateway
+        first = SwarmNode(
+            NodeConfig(data_dir=os.path.join(tmp, "p0"), host_maddrs=loop, extra_dht_kwargs=dict(local_only))
+        ).start()
         nodes.append(first)
         boot = first.visible_maddrs()
         for i in range(1, peers):
             nodes.append(
-                SwarmNode(NodeConfig(data_dir=os.path.join(tmp, f"p{i}"), host_maddrs=loop, initial_peers=boot)).start()
+                SwarmNode(
+                    NodeConfig(data_dir=os.path.join(tmp, f"p{i}"), host_maddrs=loop, initial_peers=boot,
+                               extra_dht_kwargs=dict(local_only))
+                ).start()
             )
             _notify(progress, "starting peers", i / peers * 0.3)
         data = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(peers)]

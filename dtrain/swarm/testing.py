@@ -18,6 +18,8 @@ from typing import Callable, Iterator, Optional, Sequence
 from dtrain.swarm.node import NodeConfig, SwarmNode
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+# Local peers need no NAT traversal; UPnP/NAT-PMP discovery would probe the host's LAN gateway.
+LOCAL_ONLY = dict(nat_port_map=False)
 
 
 @contextlib.contextmanager
@@ -26,13 +28,16 @@ def local_nodes(n: int, root: Optional[str] = None) -> Iterator[list[SwarmNode]]
     tmp = root or tempfile.mkdtemp(prefix="dtrain-swarm-")
     nodes: list[SwarmNode] = []
     try:
-        first = SwarmNode(NodeConfig(data_dir=os.path.join(tmp, "n0"), host_maddrs=LOOPBACK)).start()
+        first = SwarmNode(
+            NodeConfig(data_dir=os.path.join(tmp, "n0"), host_maddrs=LOOPBACK, extra_dht_kwargs=dict(LOCAL_ONLY))
+        ).start()
         nodes.append(first)
         boot = first.visible_maddrs()
         for i in range(1, n):
             nodes.append(
                 SwarmNode(
-                    NodeConfig(data_dir=os.path.join(tmp, f"n{i}"), host_maddrs=LOOPBACK, initial_peers=boot)
+                    NodeConfig(data_dir=os.path.join(tmp, f"n{i}"), host_maddrs=LOOPBACK, initial_peers=boot,
+                               extra_dht_kwargs=dict(LOCAL_ONLY))
                 ).start()
             )
         yield nodes
