@@ -69,7 +69,7 @@ def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
     v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
     a = cfg.allreduce
     a.min_group_size, a.target_group_size = 2, 64
-    a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 5.0, 30.0
+    a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 3.0, 30.0
     a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
     cfg.hub.repo, cfg.hub.backoff_s = str(layout.store_dir(root)), 2.0
     cfg.api.host, cfg.api.port, cfg.api.metrics_port = "127.0.0.1", 0, 0
