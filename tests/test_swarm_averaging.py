@@ -143,6 +143,41 @@ def test_nonfinite_sender_is_rejected(nodes):
         assert "non-finite" in next(p.reason for p in r.peers if p.peer_id == bad)
 
 
+def test_out_of_scale_contribution_is_refused_at_group_formation(nodes):
+    """A poisoner that announces its (huge) norm honestly owns no share and adds nothing."""
+    data = [[torch.full((3000,), 1.0)], [torch.full((3000,), 3.0)], [torch.full((3000,), 5000.0)]]
+    swarms = _swarms(nodes, data, _cfg(3))
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1) for i in range(3)])
+    finally:
+        _shutdown(swarms)
+    poisoner = swarms[2].peer_id
+    for r in recs[:2]:
+        assert not r.error and r.fraction_averaged == 1.0
+        assert r.outcome_of(poisoner) == Outcome.FAIL
+        assert "out-of-scale" in next(p.reason for p in r.peers if p.peer_id == poisoner)
+    # The honest peers' average is exactly theirs: mean(1, 3) everywhere.
+    for d in data[:2]:
+        assert torch.equal(d[0], torch.full((3000,), 2.0))
+
+
+def test_part_larger_than_announced_norm_is_refused(nodes):
+    """A poisoner that lies (announces a normal norm, then sends scaled parts) is caught per part."""
+    data = [[torch.full((3000,), 1.0)], [torch.full((3000,), 3.0)], [torch.full((3000,), 2.0)]]
+    swarms = _swarms(nodes, data, _cfg(3), faults=[None, None, FaultInjection(scale_parts=1000.0)])
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1) for i in range(3)])
+    finally:
+        _shutdown(swarms)
+    liar = swarms[2].peer_id
+    for r in recs[:2]:
+        assert r.outcome_of(liar) == Outcome.FAIL
+    for d in data[:2]:
+        values = d[0]
+        # Every value is either an honest average or a kept local value: nothing scaled got in.
+        assert bool((values <= 3.0).all()) and bool((values >= 1.0).all())
+
+
 def test_local_nonfinite_is_refused_before_sending(nodes):
     swarm = GradientSwarm(nodes[0].dht, [torch.zeros(10)], "model-a", _cfg(2))
     try:

@@ -77,6 +77,9 @@ class AveragingConfig:
     allow_state_sharing: bool = True
     declare_state_period_s: float = 30.0
     log_path: Optional[str] = None  # JSON lines of RoundRecords
+    # A contribution whose announced L2 norm exceeds this many times the median norm of the
+    # weighted peers is refused (a scaled/noisy "poisoned" gradient); 0 disables the check.
+    max_norm_ratio: float = 10.0
 
 
 @dataclass
@@ -85,6 +88,7 @@ class FaultInjection:
 
     send_delay_s: float = 0.0  # sleep before each part sent to another reducer (a slow peer)
     send_nonfinite: bool = False  # send NaN/Inf instead of our values (a broken/cheating peer)
+    scale_parts: float = 1.0  # multiply sent parts after announcing the true norm (a lying poisoner)
 
 
 def schema_hash(tensors: Sequence[torch.Tensor]) -> str:
@@ -100,6 +104,35 @@ def schema_hash(tensors: Sequence[torch.Tensor]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+# Slack for the norm bounds: fp16/8-bit wire compression rounds values a little.
+NORM_SLACK = 1.10
+
+
+def _within(norm: float, bound: float) -> bool:
+    return norm <= bound * NORM_SLACK + 1e-6
+
+
+def _scale_check(users, compatible, claimed, ratio: float) -> tuple[list[float], set[int]]:
+    """Announced norms, and the peers whose norm is out of scale with the weighted majority.
+
+    The reference is the lower median over compatible peers that bring weight (a validator's
+    zeros do not count), so a minority cannot drag it up; with two peers it is the smaller.
+    """
+    norms = []
+    for user in users:
+        n = user.get("norm") if isinstance(user, dict) else None
+        norms.append(float(n) if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 else math.inf)
+    if ratio <= 0:
+        return norms, set()
+    weighted = sorted(norms[i] for i in range(len(users)) if compatible[i] and claimed[i] > 0 and norms[i] < math.inf)
+    if not weighted:
+        return norms, set()
+    reference = weighted[(len(weighted) - 1) // 2]
+    bad = {i for i in range(len(users)) if compatible[i] and claimed[i] > 0
+           and (norms[i] == math.inf or (reference > 0 and norms[i] > ratio * reference))}
+    return norms, bad
+
+
 class _CappedFiniteReducer(TensorPartReducer):
     """TensorPartReducer with receiver-side weights and a finiteness check.
 
@@ -107,9 +140,12 @@ class _CappedFiniteReducer(TensorPartReducer):
     on the wire is ignored. A non-finite part bans its sender from this part onward.
     """
 
-    def __init__(self, part_shapes, num_senders: int, sender_weights: Sequence[float]):
+    def __init__(self, part_shapes, num_senders: int, sender_weights: Sequence[float],
+                 sender_norms: Optional[Sequence[float]] = None):
         self.sender_weights = [float(w) for w in sender_weights]
+        self.sender_norms = [float(n) for n in sender_norms] if sender_norms is not None else None
         self.rejected: set[int] = set()
+        self.too_large: set[int] = set()
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -143,6 +179,12 @@ class _CappedFiniteReducer(TensorPartReducer):
             self.rejected.add(sender_index)
             self.on_sender_failed(sender_index)
             raise BannedException(f"sender {sender_index} sent non-finite values")
+        if self.sender_norms is not None and not _within(float(tensor_part.double().norm()),
+                                                         self.sender_norms[sender_index]):
+            self.rejected.add(sender_index)
+            self.too_large.add(sender_index)
+            self.on_sender_failed(sender_index)
+            raise BannedException(f"sender {sender_index} sent a part larger than its announced norm")
         self.num_parts_received[sender_index] += 1
         current_part_future = self.current_part_future
         w = self.sender_weights[sender_index]
@@ -178,7 +220,8 @@ class _CappedFiniteReducer(TensorPartReducer):
 class _DtrainRunner(AllReduceRunner):
     """AllReduceRunner that records per-peer outcomes and bytes, validates results, injects faults."""
 
-    def __init__(self, *, sender_weights: Sequence[float], fault: Optional[FaultInjection], **kwargs):
+    def __init__(self, *, sender_weights: Sequence[float], fault: Optional[FaultInjection],
+                 sender_norms: Optional[Sequence[float]] = None, max_norm: Optional[float] = None, **kwargs):
         super().__init__(**kwargs)
         self.fault = fault or FaultInjection()
         self.bytes_sent = 0
@@ -189,7 +232,8 @@ class _DtrainRunner(AllReduceRunner):
         old.finished.set()
         old.current_part_future.cancel()
         self.tensor_part_reducer = _CappedFiniteReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), sender_weights
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), sender_weights,
+            sender_norms,
         )
         container = self.tensor_part_container
         register = container.register_processed_part
@@ -199,6 +243,8 @@ class _DtrainRunner(AllReduceRunner):
             # hivemind's _communicate_with_peer fall back to local values for that reducer's share
             if not bool(torch.isfinite(part).all()):
                 raise AllreduceException(f"reducer #{peer_index} returned non-finite values")
+            if max_norm is not None and not _within(float(part.double().norm()), max_norm):
+                raise AllreduceException(f"reducer #{peer_index} returned an average larger than any contribution")
             return register(peer_index, part_index, part)
 
         container.register_processed_part = register_checked
@@ -243,6 +289,10 @@ class _DtrainRunner(AllReduceRunner):
                 bad = torch.full_like(part, float("nan"))
                 bad.view(-1)[::2] = float("inf")
                 msg.tensor_part.CopyFrom(serialize_torch_tensor(bad, msg.tensor_part.compression))
+            if self.fault.scale_parts != 1.0:
+                part = deserialize_torch_tensor(msg.tensor_part)
+                msg.tensor_part.CopyFrom(serialize_torch_tensor(part * self.fault.scale_parts,
+                                                                msg.tensor_part.compression))
             self.bytes_sent += msg.ByteSize()
             yield msg
 
@@ -365,6 +415,11 @@ class _DtrainAverager(DecentralizedAverager):
                 claimed.append(w)
                 used.append(min(w, cap) if ok else 0.0)
                 modes.append(AveragingMode(mode_id) if ok else AveragingMode.AUX)
+            norms, out_of_scale = _scale_check(users, compatible, claimed, float(mine.get("ratio", 0.0) or 0.0))
+            for i in out_of_scale:
+                # Like a wrong model, an out-of-scale peer owns no share and its values are never
+                # added: every peer derives the same verdict from the same gathered data.
+                used[i], modes[i] = 0.0, AveragingMode.AUX
             download_bandwidths = [
                 (bw if mode == AveragingMode.NODE else 0.0) for bw, mode in zip(bandwidths, modes)
             ]
@@ -372,6 +427,10 @@ class _DtrainAverager(DecentralizedAverager):
                 None, compat.load_balance, self.total_size, download_bandwidths, min_vector_size
             )
             sender_weights = [w for w, mode in zip(used, modes) if mode != AveragingMode.AUX]
+            # A sender's part can never be larger than its whole announced vector, and an average
+            # never larger than the largest contribution: both bound what a liar can inject.
+            sender_norms = [n for n, mode in zip(norms, modes) if mode != AveragingMode.AUX]
+            max_norm = max(sender_norms, default=0.0)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 t_start = time.monotonic()
                 runner = _DtrainRunner(
@@ -385,6 +444,8 @@ class _DtrainAverager(DecentralizedAverager):
                     modes=modes,
                     weight=used[me],
                     sender_weights=sender_weights,
+                    sender_norms=sender_norms,
+                    max_norm=max_norm,
                     fault=self._fault,
                     **kwargs,
                 )
@@ -399,7 +460,7 @@ class _DtrainAverager(DecentralizedAverager):
                     async for _ in runner:
                         raise ValueError("auxiliary peers should not receive averaged tensors")
                 allreduce_s = time.monotonic() - t_start
-            report = self._report(group_info, runner, modes, compatible, claimed, used)
+            report = self._report(group_info, runner, modes, compatible, claimed, used, out_of_scale, norms)
             report["allreduce_s"] = allreduce_s
             return dict(gathered=None, report=report)
         except BaseException as e:
@@ -407,17 +468,23 @@ class _DtrainAverager(DecentralizedAverager):
                 logger.debug("dtrain all-reduce failed: %r", e, exc_info=True)
             raise MatchmakingException(f"Unable to run All-Reduce: {e!r}")
 
-    def _report(self, group_info, runner: _DtrainRunner, modes, compatible, claimed, used) -> dict:
+    def _report(self, group_info, runner: _DtrainRunner, modes, compatible, claimed, used, out_of_scale=(),
+                norms=()) -> dict:
         reducer = runner.tensor_part_reducer
         rejected = {runner.sender_peer_ids[i] for i in reducer.rejected}
+        too_large = {runner.sender_peer_ids[i] for i in reducer.too_large}
         peers = []
         for i, peer in enumerate(group_info.peer_ids):
             reason = ""
             if not compatible[i]:
                 outcome = Outcome.WRONG_MODEL
                 reason = "model fingerprint or tensor schema differs"
+            elif i in out_of_scale:
+                outcome, reason = Outcome.FAIL, f"out-of-scale contribution (norm {norms[i]:.3g})"
             elif peer == self.peer_id:
                 outcome = Outcome.SUCCESS
+            elif peer in too_large:
+                outcome, reason = Outcome.FAIL, "sent a part larger than its announced norm"
             elif peer in rejected:
                 outcome, reason = Outcome.FAIL, "sent non-finite values"
             elif peer in runner.banned_senders:
@@ -548,7 +615,9 @@ class GradientSwarm:
         with self._averager.get_tensors() as bufs:
             for b, t in zip(bufs, tensors):
                 b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
-        gather = dict(v=GATHER_VERSION, fp=self.fingerprint, schema=self._schema, w=float(weight), cap=float(cap))
+        norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+        gather = dict(v=GATHER_VERSION, fp=self.fingerprint, schema=self._schema, w=float(weight), cap=float(cap),
+                      norm=norm, ratio=float(cfg.max_norm_ratio))
         started = time.time()
         t0 = time.monotonic()
         result, error = None, ""

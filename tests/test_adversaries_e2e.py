@@ -1,0 +1,51 @@
+"""Every cheating miner kind, in one real sandbox, against the validator's scoring."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_dtrain
+
+pytestmark = pytest.mark.slow
+
+KINDS = ["lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adversaries") / "box"
+    args = ["sandbox", "--miners", "3", "--rounds", "3", "--dir", str(root), "--json"]
+    for kind in KINDS:
+        args += ["--adversary", kind]
+    result = run_dtrain(*args, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_each_adversary_ends_below_a_quarter_of_the_weakest_honest_miner(run):
+    honest = [m for m in run["miners"] if m["kind"] == "honest"]
+    weakest = min(m["weight"] for m in honest)
+    assert weakest > 0
+    for m in run["miners"]:
+        if m["kind"] != "honest":
+            assert m["weight"] <= 0.25 * weakest, (m["kind"], m["weight"], weakest)
+
+
+def test_each_adversary_is_caught_for_its_own_reason(run):
+    seen = {m["kind"]: m for m in run["miners"]}
+    assert "verification_failed" in seen["lazy"]["gated"]
+    assert "verification_failed" in seen["copycat"]["gated"]
+    assert seen["wrong-model"]["outcome"] == "WRONG_MODEL"
+    assert seen["freeloader"]["outcome"] == "NON_PARTICIPATING"
+    assert "inflated_claim" in seen["inflated-weight"]["gated"]
+    assert seen["poisoner"]["outcome"] == "FAIL"
+
+
+def test_poisoner_and_inflated_weight_do_not_stop_the_loss_falling(run):
+    curve = run["loss"]["curve"]
+    assert all(r["status"] == "success" for r in run["rounds"])
+    # Each round's averaged step must still help: the held-out loss falls every round.
+    assert all(later < earlier for earlier, later in zip(curve, curve[1:])), curve
+    assert curve[0] - curve[-1] > 0.2, curve
