@@ -143,6 +143,24 @@ def test_nonfinite_sender_is_rejected(nodes):
         assert "non-finite" in next(p.reason for p in r.peers if p.peer_id == bad)
 
 
+def test_per_peer_cap_excludes_an_unverified_peer(nodes):
+    """A reducer given cap 0 for one peer (it failed verification) averages without it."""
+    data = [[torch.full((3000,), 1.0)], [torch.full((3000,), 3.0)], [torch.full((3000,), 9.0)]]
+    swarms = _swarms(nodes, data, _cfg(3))
+    suspect = swarms[2].peer_id
+    caps = {suspect: 0.0}
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1, peer_caps=caps)
+                                 for i in range(3)])
+    finally:
+        _shutdown(swarms)
+    for r in recs:
+        assert not r.error and r.fraction_averaged == 1.0
+        assert next(p.weight_used for p in r.peers if p.peer_id == suspect) == 0.0
+    for d in data:
+        assert torch.equal(d[0], torch.full((3000,), 2.0))  # mean(1, 3): the suspect's 9 never counted
+
+
 def test_out_of_scale_contribution_is_refused_at_group_formation(nodes):
     """A poisoner that announces its (huge) norm honestly owns no share and adds nothing."""
     data = [[torch.full((3000,), 1.0)], [torch.full((3000,), 3.0)], [torch.full((3000,), 5000.0)]]

@@ -324,11 +324,12 @@ class Miner:
             weight = adv.INFLATED_WEIGHT
         if self.kind == "poisoner":
             mean = adv.poison(mean)
+        peer_caps = _peer_caps(body.get("weight_caps"))
         info = {"round_id": body["round_id"], "epoch": self.epoch, "weight": weight}
         self.tel.round_started(info)
         record = self.swarm.run_round(mean, weight=weight, cap=float(body["weight_cap"]),
                                       tokens=samples * self.cfg.model.seq_len,
-                                      timeout_s=float(body["deadline_s"]))
+                                      timeout_s=float(body["deadline_s"]), peer_caps=peer_caps)
         result: dict[str, Any] = {"joined": not record.error, "round": record.to_dict()}
         if record.ok and all(bool(torch.isfinite(t).all()) for t in mean):
             self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(mean, self.trainer.params)],
@@ -461,5 +462,18 @@ class Miner:
             log.debug("status file not written: %r", exc)
 
 
-def status_file(cfg: Config, hotkey: str) -> Path:
-    return node_dir(cfg, "miner", hotkey) / "status.json"
+def _peer_caps(raw: Any) -> dict[str, float]:
+    """The validator's per-peer weight limits from an AllReduce query; malformed input is refused."""
+    from dtrain.api.server import HandlerError
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > 4096:
+        raise HandlerError(422, "field 'weight_caps' must be an object of at most 4096 peer ids")
+    caps = {}
+    for peer, cap in raw.items():
+        if not (isinstance(peer, str) and 0 < len(peer) <= 128 and isinstance(cap, (int, float))
+                and not isinstance(cap, bool) and math.isfinite(cap) and 0 <= cap <= 1e12):
+            raise HandlerError(422, "field 'weight_caps' must map peer ids to numbers in [0, 1e12]")
+        caps[peer] = float(cap)
+    return caps

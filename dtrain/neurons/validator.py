@@ -308,8 +308,11 @@ class Validator:
 
         from dtrain.api.client import ApiError
 
+        # The cap is what we verified: a miner whose Train answer failed gets no weight at all.
+        caps = {p.peer_id: (self._weight_cap() if p.checks and all(c.passed for c in p.checks) else 0.0)
+                for p in probes}
         body = {"round_id": f"{self.bench.run_id}-{self.epoch}-{round_no}", "epoch": self.epoch,
-                "weight_cap": self._weight_cap(), "deadline_s": self._deadline()}
+                "weight_cap": self._weight_cap(), "deadline_s": self._deadline(), "weight_caps": caps}
         self.tel.round_started({"round_id": body["round_id"], "epoch": self.epoch, "miners": len(probes)})
 
         def ask(probe: Probe) -> None:
@@ -322,7 +325,8 @@ class Validator:
             futures = [pool.submit(ask, p) for p in probes]
             tensors = [z.clone() for z in self.zeros]
             record = self.swarm.run_round(tensors, weight=0.0, cap=self._weight_cap(),
-                                          expected_peers=[p.peer_id for p in probes], timeout_s=self._deadline())
+                                          expected_peers=[p.peer_id for p in probes], timeout_s=self._deadline(),
+                                          peer_caps=caps)
             for f in futures:
                 f.result()
         if record.ok and all(bool(torch.isfinite(t).all()) for t in tensors):

@@ -401,6 +401,8 @@ class _DtrainAverager(DecentralizedAverager):
             me = group_info.peer_ids.index(self.peer_id)
             mine = users[me]
             cap = float(mine["cap"])
+            # Per-peer limits (e.g. 0 for a miner that failed verification) override the default cap.
+            peer_caps = mine.get("caps") if isinstance(mine.get("caps"), dict) else {}
             modes, claimed, used, compatible = [], [], [], []
             for i, (user, mode_id) in enumerate(zip(users, mode_ids)):
                 ok = (
@@ -413,7 +415,8 @@ class _DtrainAverager(DecentralizedAverager):
                 w = user.get("w", 0.0) if isinstance(user, dict) else 0.0
                 w = float(w) if isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 else 0.0
                 claimed.append(w)
-                used.append(min(w, cap) if ok else 0.0)
+                limit = peer_caps.get(str(group_info.peer_ids[i]), cap)
+                used.append(min(w, float(limit)) if ok else 0.0)
                 modes.append(AveragingMode(mode_id) if ok else AveragingMode.AUX)
             norms, out_of_scale = _scale_check(users, compatible, claimed, float(mine.get("ratio", 0.0) or 0.0))
             for i in out_of_scale:
@@ -593,11 +596,13 @@ class GradientSwarm:
         expected_peers: Sequence[str] = (),
         tokens: int = 0,
         timeout_s: Optional[float] = None,
+        peer_caps: Optional[dict[str, float]] = None,
     ) -> RoundRecord:
         """Average ``tensors`` in place with whoever matchmakes; return this peer's RoundRecord.
 
         ``weight`` is the number of samples accumulated (0 for a validator), ``cap`` the largest
-        weight this peer accepts from anyone. On failure to form a group the tensors keep their
+        weight this peer accepts from anyone, and ``peer_caps`` (peer id -> limit) tighter limits for
+        particular peers, such as the weight a validator has verified for each miner. On failure to form a group the tensors keep their
         local values and the record carries ``error``. ``expected_peers`` (peer ids) that did
         not join are reported NON_PARTICIPATING or NOT_ALIVE.
         """
@@ -617,7 +622,9 @@ class GradientSwarm:
                 b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
         norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
         gather = dict(v=GATHER_VERSION, fp=self.fingerprint, schema=self._schema, w=float(weight), cap=float(cap),
-                      norm=norm, ratio=float(cfg.max_norm_ratio))
+                      norm=norm, ratio=float(cfg.max_norm_ratio),
+                      caps={str(k): float(v) for k, v in (peer_caps or {}).items()
+                            if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0})
         started = time.time()
         t0 = time.monotonic()
         result, error = None, ""

@@ -1,0 +1,103 @@
+"""The neuron's own parts: job hand-off, state hand-over, query validation, discovery filtering."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dtrain.api.server import HandlerError
+from dtrain.neurons.jobs import JobQueue
+from dtrain.neurons.miner import _peer_caps
+
+
+def test_jobs_run_on_the_thread_that_drains_the_queue():
+    jobs = JobQueue()
+    owner = threading.current_thread()
+    results = []
+
+    def handler():  # an API worker thread waiting for the training thread
+        future = jobs.submit(lambda: threading.current_thread() is owner)
+        results.append(future.result(timeout=10))
+
+    t = threading.Thread(target=handler)
+    t.start()
+    while not results:
+        jobs.run_pending(wait_s=0.1)
+    t.join()
+    assert results == [True]
+
+
+def test_job_errors_reach_the_waiting_handler_and_cancel_all_fails_pending():
+    jobs = JobQueue()
+    failing = jobs.submit(lambda: 1 / 0)
+    jobs.run_pending()
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=1)
+    pending = jobs.submit(lambda: "never")
+    jobs.cancel_all(RuntimeError("shutting down"))
+    with pytest.raises(RuntimeError, match="shutting down"):
+        pending.result(timeout=1)
+
+
+@pytest.mark.parametrize("raw", [[1, 2], {"peer": -1}, {"peer": float("nan")}, {"": 1.0}, {"p": True},
+                                 {f"p{i}": 1.0 for i in range(4097)}, {"p": "1"}])
+def test_malformed_weight_caps_are_refused_with_422(raw):
+    with pytest.raises(HandlerError) as info:
+        _peer_caps(raw)
+    assert info.value.status == 422 and "weight_caps" in info.value.message
+
+
+def test_weight_caps_are_read_as_floats():
+    assert _peer_caps(None) == {}
+    assert _peer_caps({"QmA": 0, "QmB": 32}) == {"QmA": 0.0, "QmB": 32.0}
+
+
+def _trainer(seed: int):
+    from dtrain.training.models import create_model
+    from dtrain.training.trainer import Trainer, TrainerConfig
+
+    model = create_model("tiny", vocab_size=300, n_positions=32, seed=seed)
+    return Trainer(model, TrainerConfig(micro_batch_size=2, local_batch_size=4, lr=1e-2, warmup_steps=2))
+
+
+def test_state_hand_over_makes_a_lagging_replica_identical():
+    from dtrain.neurons.runtime import params_digest
+    from dtrain.neurons.sync import export_state, import_state
+
+    ahead, behind = _trainer(0), _trainer(0)
+    x = torch.randint(0, 300, (4, 32))
+    for _ in range(3):
+        ahead.train_step(x)
+    meta, tensors = export_state(ahead, epoch=3)
+    assert import_state(behind, meta, tensors) == 3
+    assert params_digest(behind) == params_digest(ahead)
+    assert behind.lr == ahead.lr
+    # Same moments and schedule: the next identical step keeps them identical.
+    ahead.train_step(x)
+    behind.train_step(x)
+    assert params_digest(behind) == params_digest(ahead)
+
+
+def test_state_for_another_model_is_refused():
+    from dtrain.neurons.sync import export_state, import_state
+    from dtrain.training.models import create_model
+    from dtrain.training.trainer import Trainer, TrainerConfig
+
+    other = Trainer(create_model("tiny", vocab_size=300, n_positions=64, seed=0), TrainerConfig())
+    meta, tensors = export_state(other, epoch=1)
+    with pytest.raises(ValueError):
+        import_state(_trainer(0), meta, tensors)
+
+
+def test_discovery_keeps_only_addresses_of_the_committed_peer(monkeypatch):
+    from dtrain.chain.commitment import MinerCommitment
+    from dtrain.neurons import discovery
+
+    honest = MinerCommitment(peer_id="QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", api="127.0.0.1:1", repo="x")
+    docs = {"127.0.0.1:1": {"maddrs": ["/ip4/127.0.0.1/tcp/5/p2p/" + honest.peer_id,
+                                       "/ip4/6.6.6.6/tcp/5/p2p/QmSomeoneElse"]}}
+    monkeypatch.setattr(discovery, "_status", lambda api, timeout: docs.get(api))
+    assert discovery.peer_maddrs([honest]) == ["/ip4/127.0.0.1/tcp/5/p2p/" + honest.peer_id]
+    assert discovery.peer_maddrs([honest], exclude_peer=honest.peer_id) == []
