@@ -1,4 +1,4 @@
-"""A validator restarted mid-run keeps its scores, its model replica and its round history."""
+"""A validator restarted mid-run keeps its scores, replica and history, and rides out a chain outage."""
 
 from __future__ import annotations
 
@@ -17,6 +17,16 @@ def _state(root):
     return json.loads(path.read_text())
 
 
+def _chain_weights(root):
+    from dtrain.chain.sandbox import SandboxChain
+
+    chain = SandboxChain(root)
+    try:
+        return chain.weights()
+    finally:
+        chain.close()
+
+
 def test_validator_restart_keeps_state_and_stays_in_sync(tmp_path):
     box = Sandbox(SandboxOptions(miners=2, rounds=1, directory=tmp_path / "box"))
     try:
@@ -29,6 +39,15 @@ def test_validator_restart_keeps_state_and_stays_in_sync(tmp_path):
         assert len(miner_uids) == 2
         ema_after_one = {uid: first["ema"][uid] for uid in miner_uids}
         assert all(score > 0 for score in ema_after_one.values())
+
+        weights_before = _chain_weights(box.root)
+        assert weights_before, "the first run set weights"
+        # The chain refuses every weight extrinsic from now on: an outage the validator must ride out.
+        from dtrain.chain.sandbox import SandboxChain
+
+        chain = SandboxChain(box.root)
+        chain.inject_faults("set_weights", 1000)
+        chain.close()
 
         # Same validator, same data dir, a new process: it must resume, not start over.
         validator = next(m for m in members if m.role == "validator")
@@ -44,6 +63,12 @@ def test_validator_restart_keeps_state_and_stays_in_sync(tmp_path):
     # The restarted replica resumed at epoch 1, so miners verified and averaged with it.
     assert latest["status"] == "success" and latest["epoch"] == 2
     assert all(row["outcome"] == "SUCCESS" and not row["gated"] for row in latest["miners"])
+    # It kept validating through the outage, recorded the failed set for a later retry,
+    # and the chain still holds the weights of the first run.
+    assert second["weight_set"]["failures"] >= 1
+    assert "injected set_weights failure" in second["weight_set"]["last_error"]
+    assert second["weight_set"]["next_retry_block"] is not None
+    assert _chain_weights(box.root) == weights_before
     for uid, score in ema_after_one.items():
         # EMA continued from the persisted value: it only grows while a miner keeps scoring well.
         assert second["ema"][uid] > score

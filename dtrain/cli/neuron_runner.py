@@ -11,15 +11,16 @@ import logging
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from dtrain.cli.common import CommandError, err, use_dashboard
 from dtrain.config import Config
+from dtrain.telemetry import Telemetry
 
 
 def run_neuron(cfg: Config, role: str, no_dashboard: bool,
-               build: Callable[["object", threading.Event], "object"]) -> int:
-    from dtrain.telemetry import Telemetry
+               build: Callable[[Telemetry, threading.Event], Any]) -> int:
+    """``build(telemetry, stop)`` returns the neuron; its ``run()`` returns the exit code."""
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

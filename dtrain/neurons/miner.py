@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -261,9 +262,7 @@ class Miner:
         future = self.jobs.submit(lambda: self._do_train(body))
         try:
             return future.result(timeout=300)
-        except HandlerError:
-            raise
-        except TimeoutError:
+        except FuturesTimeout:
             raise HandlerError(503, "training thread busy; try again") from None
 
     def _do_train(self, body: dict) -> dict:
@@ -291,9 +290,9 @@ class Miner:
             finally:
                 self.trainer.config.micro_batch_size = previous
             micro = [r.fingerprint.to_dict() for r in results]
-        per_page = max(1, self.cfg.data.page_sequences // mbs) if mbs <= self.cfg.data.page_sequences else 1
         for i, item in enumerate(micro):
-            item["page"] = pages[min(i // per_page, len(pages) - 1)]
+            # The page this micro-batch's first sequence came from.
+            item["page"] = pages[min(i * mbs // self.cfg.data.page_sequences, len(pages) - 1)]
         return {"uid": self.uid, "epoch": self.epoch, "samples_total": self.trainer.accumulated_samples,
                 "params_digest": self._digest, "microbatches": micro}
 
@@ -305,7 +304,7 @@ class Miner:
         future = self.jobs.submit(lambda: self._do_round(body))
         try:
             return future.result(timeout=float(body["deadline_s"]) + 120)
-        except TimeoutError:
+        except FuturesTimeout:
             raise HandlerError(503, "round did not finish in time") from None
 
     def _do_round(self, body: dict) -> dict:

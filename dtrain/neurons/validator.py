@@ -23,7 +23,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from dtrain.config import Config
 from dtrain.neurons.miner import MAX_UIDS
@@ -275,7 +274,9 @@ class Validator:
             probe.note = f"expected {expected} micro-batches, got {len(micro) if isinstance(micro, list) else 'none'}"
             return
         count = max(1, math.ceil(self.cfg.validator.recompute_fraction * expected))
-        chosen = sorted(random.Random(nonce + probe.hotkey).sample(range(expected), count))
+        # Chosen with a secret the miner never sees: were it derivable from the nonce, a cheater
+        # could compute exactly the checked micro-batches honestly and fabricate the rest.
+        chosen = sorted(random.Random(secrets.randbits(64)).sample(range(expected), count))
         checks = []
         for index in chosen:
             x = tokens[index * mbs:(index + 1) * mbs]
@@ -534,5 +535,3 @@ class Validator:
         except OSError as exc:
             log.debug("status file not written: %r", exc)
 
-    def verification_cost(self) -> dict[str, Any]:
-        return {"verify_s": self.verify_seconds}
