@@ -128,8 +128,8 @@ class ValidatorConfig:
 
 @dataclass
 class AllReduceConfig:
-    mode: str = _f("gradient", "gradient (average every step) or diloco (average pseudo-gradients).",
-                   choices=("gradient", "diloco"))
+    mode: str = _f("gradient", "gradient (average every step) or diloco (average pseudo-gradients; "
+                   "library and benchmarks only, mine/validate refuse it).", choices=("gradient", "diloco"))
     target_batch_size: int = _f(512, "Global sequences per optimizer step, summed over the swarm.", min=1)
     min_group_size: int = _f(2, "Smallest group an all-reduce round accepts.", min=1, max=4096)
     target_group_size: int = _f(32, "Largest group matchmaking assembles.", min=1, max=4096)

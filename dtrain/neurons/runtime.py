@@ -167,6 +167,14 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench
 def averaging_config(cfg: Config, log_path: Path | None):
     from dtrain.swarm.averaging import AveragingConfig
 
+    if cfg.allreduce.mode != "gradient":
+        # Train verification compares a miner's gradients with the validator's replica, which
+        # needs identical parameters between rounds; DiLoCo's local steps break that.
+        raise NeuronError(
+            f"allreduce.mode = {cfg.allreduce.mode!r} is available in the swarm library and "
+            "benchmarks/convergence.py, but mine/validate support only 'gradient' so far: "
+            "validators cannot verify miners whose replicas drift between rounds")
+
     a = cfg.allreduce
     return AveragingConfig(
         prefix=f"dtrain-{cfg.model.run_id}",
