@@ -438,12 +438,9 @@ def save_config(cfg: Config, path: Path, *, overwrite: bool = False, sections: t
     if path.exists() and not overwrite:
         raise FileExistsError(str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(to_toml(cfg, sections))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    from dtrain.atomic import write_text
+
+    write_text(path, to_toml(cfg, sections))
 
 
 def expand(path: str) -> Path:

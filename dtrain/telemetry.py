@@ -177,9 +177,6 @@ class Telemetry:
 
 def write_status_file(path: str, snap: Snapshot) -> None:
     """Atomically publish a snapshot as JSON, for ``dtrain status`` and the sandbox to read."""
-    import os
+    from dtrain.atomic import write_text
 
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(snap.to_dict(), fh, default=str)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(snap.to_dict(), default=str))

@@ -17,6 +17,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from dtrain.atomic import fsync_dir
 from dtrain.hub.base import (
     ProgressCallback,
     ProgressEvent,
@@ -29,19 +30,6 @@ from dtrain.hub.base import (
 from dtrain.hub.tags import is_tag, newest, parse_tag
 
 _CHUNK = 1 << 20
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _copy_tree(
@@ -107,7 +95,7 @@ class LocalStore:
             staging = staging_root / f"{tag}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
             try:
                 _copy_tree(src, staging, progress, "upload", total)
-                _fsync_dir(staging)
+                fsync_dir(staging)
                 try:
                     os.rename(staging, final)
                 except OSError:
@@ -115,7 +103,7 @@ class LocalStore:
                     if not final.is_dir():
                         raise
                     existed = True
-                _fsync_dir(self.tags_dir)
+                fsync_dir(self.tags_dir)
             except OSError as e:
                 raise StoreError(f"push of {tag} to {self.root} failed: {e.strerror or e}") from e
             finally:
@@ -141,7 +129,7 @@ class LocalStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.root / "latest")
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise StoreError(f"cannot update {self.root / 'latest'}: {e.strerror or e}") from e

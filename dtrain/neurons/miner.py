@@ -19,38 +19,36 @@ import math
 import threading
 import time
 from concurrent.futures import TimeoutError as FuturesTimeout
-from pathlib import Path
 from typing import Any
 
 from dtrain import __version__
 from dtrain.config import Config
 from dtrain.neurons import adversary as adv
+from dtrain.neurons.base import MAX_UIDS, NeuronBase
 from dtrain.neurons.jobs import JobQueue
 from dtrain.neurons.runtime import NeuronError, node_dir
-from dtrain.telemetry import Telemetry, write_status_file
+from dtrain.telemetry import Telemetry
 
 log = logging.getLogger("dtrain.miner")
 
-MAX_UIDS = 256  # page-assignment constant shared by every peer of a subnet (see training.data)
 PEER_REFRESH_S = 20.0
 
 
-class Miner:
+class Miner(NeuronBase):
+    role = "miner"
+
     def __init__(self, cfg: Config, telemetry: Telemetry, stop: threading.Event, *,
                  adversary: str | None = None, max_rounds: int | None = None):
         if adversary is not None and adversary not in adv.KINDS:
             raise NeuronError(f"unknown adversary kind {adversary!r}; expected one of {', '.join(adv.KINDS)}")
-        self.cfg = cfg
-        self.tel = telemetry
-        self.stop = stop
+        super().__init__(cfg, telemetry, stop)
         self.kind = adversary or "honest"
         self.max_rounds = max_rounds
         self.jobs = JobQueue()
-        self.epoch = 0
         self.cursor = 0
         self.rounds_done = 0
-        self._digest = ""
-        self._catch_up = False
+        self._needs_catch_up = False
+        self._pending_commit = None
         self._last_loss: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -66,18 +64,19 @@ class Miner:
         self.chain = runtime.open_chain_for(cfg, wallet=wallet)
         self.uid = self._wait_for_registration()
         self.dir = node_dir(cfg, "miner", self.hotkey)
-        self.status_path = self.dir / "status.json"
 
         self.tel.update(uid=self.uid, state="building model")
         n_positions = adv.wrong_model_positions(cfg) if self.kind == "wrong-model" else None
         self.bench = runtime.build_workbench(cfg, n_positions=n_positions)
         self.trainer = self.bench.trainer
-        self._resume()
+        if self._resume(uid=self.uid):
+            self.tel.event(f"resumed from checkpoint at epoch {self.epoch}, step {self.trainer.counters.inner_step}")
         self.tel.event(f"model {cfg.model.preset}: {self.bench.param_count:,} parameters, "
                        f"tokenizer {self.bench.tokenizer_info.name}, fingerprint {self.bench.fingerprint[:12]}")
 
         self.tel.update(state="joining swarm")
-        self._start_swarm()
+        self._start_swarm(self._commitments())
+        self._last_peer_refresh = time.monotonic()
         self._start_api()
         self._commit()
         self._start_pusher()
@@ -108,36 +107,6 @@ class Miner:
         if uid is None:
             raise NeuronError("stopped before the hotkey was registered")
         return uid
-
-    def _resume(self) -> None:
-        from dtrain.training.loop import LoopState, resume_or_start
-
-        self.ckpt_dir = self.dir / "checkpoints"
-        fresh = LoopState(run_id=self.cfg.model.run_id, uid=self.uid, max_uids=MAX_UIDS)
-        state = resume_or_start(self.trainer, self.ckpt_dir, fresh)
-        self.epoch, self.cursor = state.epoch, state.cursor
-        self.trainer.counters.epoch = self.epoch
-        self._refresh_digest()
-        if state is not fresh:
-            self.tel.event(f"resumed from checkpoint at epoch {self.epoch}, step {self.trainer.counters.inner_step}")
-
-    def _start_swarm(self) -> None:
-        from dtrain.neurons import runtime
-        from dtrain.neurons.discovery import peer_maddrs
-        from dtrain.neurons.sync import export_state
-        from dtrain.swarm.averaging import FaultInjection, GradientSwarm
-        from dtrain.swarm.node import SwarmNode
-
-        peers = peer_maddrs(self._commitments().values(), exclude_peer="")
-        self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
-        fault = FaultInjection(send_nonfinite=False)
-        self.swarm = GradientSwarm(
-            self.node.dht, [p.detach() for p in self.trainer.params], self.bench.fingerprint,
-            runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
-            state_provider=lambda: export_state(self.trainer, self.epoch), fault=fault,
-        )
-        self.tel.update(peer_id=self.node.peer_id)
-        self._last_peer_refresh = time.monotonic()
 
     def _start_api(self) -> None:
         from dtrain.api.server import Handlers, MinerApiServer
@@ -189,13 +158,13 @@ class Miner:
     def _shutdown(self) -> None:
         self.tel.update(state="stopping")
         self.jobs.cancel_all(RuntimeError("miner is shutting down"))
-        for step in (self._save_checkpoint, lambda: self.server.stop(),
-                     lambda: self.pusher and self.pusher.stop(drain=True, timeout=30),
-                     lambda: self.swarm.shutdown(), lambda: self.node.shutdown(), self._publish):
+        for step in (self._checkpoint, lambda: self.server.stop(),
+                     lambda: self.pusher and self.pusher.stop(drain=True, timeout=30)):
             try:
                 step()
             except Exception as exc:  # keep tearing down; report what failed
                 log.warning("shutdown step failed: %r", exc)
+        self._stop_swarm()
         self.tel.update(state="stopped")
         self._publish()
 
@@ -205,8 +174,10 @@ class Miner:
         last_publish = 0.0
         while not self.stop.is_set():
             self.jobs.run_pending()
-            if self._catch_up:
-                self._load_state_from_peers()
+            if self._needs_catch_up:
+                self._needs_catch_up = False
+                if self._catch_up():
+                    self.cursor = 0
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
             if self._wants_more_data():
@@ -271,7 +242,7 @@ class Miner:
 
         if int(body["epoch"]) != self.epoch:
             if int(body["epoch"]) > self.epoch:
-                self._catch_up = True
+                self._needs_catch_up = True
             raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {body['epoch']}")
         reader = self.bench.reader
         page_uid = adv.copycat_uid(self.uid) if self.kind == "copycat" else self.uid
@@ -312,7 +283,7 @@ class Miner:
 
         if int(body["epoch"]) != self.epoch:
             if int(body["epoch"]) > self.epoch:
-                self._catch_up = True
+                self._needs_catch_up = True
             return {"joined": False, "round": None, "epoch": self.epoch,
                     "reason": f"miner is at epoch {self.epoch}, round is for epoch {body['epoch']}"}
         samples = self.trainer.accumulated_samples
@@ -340,7 +311,7 @@ class Miner:
             self._refresh_digest()
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
-                self._catch_up = True
+                self._needs_catch_up = True
             if math.isfinite(metrics.loss):
                 self.tel.train_metrics(loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
                                        grad_norm=metrics.grad_norm, lr=metrics.lr, epoch=self.epoch,
@@ -348,7 +319,7 @@ class Miner:
             else:  # nothing was trained locally (e.g. only averaged gradients): no loss to report
                 self.tel.update(epoch=self.epoch, inner_step=metrics.inner_step, samples_accumulated=0,
                                 grad_norm=metrics.grad_norm, lr=metrics.lr)
-            self._save_checkpoint()
+            self._checkpoint()
             self._push()
         self.rounds_done += 1
         self.tel.round_finished(record.to_dict())
@@ -371,71 +342,16 @@ class Miner:
 
     # ------------------------------------------------------------------ helpers
 
-    def _commitments(self) -> dict:
-        from dtrain.chain.base import ChainError
-
-        try:
-            found = self.chain.commitments()
-            self.tel.health("chain", ok=True)
-            return found
-        except ChainError as exc:
-            self.tel.health("chain", ok=False, detail=str(exc))
-            return {}
-
     def _refresh_peers(self) -> None:
-        from dtrain.neurons.discovery import peer_maddrs
-
         self._last_peer_refresh = time.monotonic()
-        if getattr(self, "_pending_commit", None) is not None:
+        if self._pending_commit is not None:
             self._commit()
-        peers = peer_maddrs(self._commitments().values(), exclude_peer=self.node.peer_id)
-        known = set(self.node.config.initial_peers)
-        fresh = [p for p in peers if p not in known]
-        if fresh or self.node.num_known_peers() == 0:
-            self.node.config.initial_peers = list(dict.fromkeys([*self.node.config.initial_peers, *peers]))
-            try:
-                self.node.try_bootstrap_once()
-            except Exception as exc:
-                log.debug("bootstrap attempt failed: %r", exc)
-        self.tel.update(peers_seen=self.node.num_known_peers())
+        self._connect_peers(self._commitments())
 
-    def _load_state_from_peers(self) -> None:
-        from dtrain.neurons.sync import import_state
-
-        self._catch_up = False
-        self.tel.event("catching up: loading model state from a peer")
-        try:
-            loaded = self.swarm.load_state_from_peers(timeout_s=30)
-        except Exception as exc:
-            self.tel.event(f"catch-up failed: {exc!r}")
-            return
-        if not loaded:
-            self.tel.event("catch-up: no peer shared its state")
-            return
-        meta, tensors = loaded[0], loaded[1]
-        try:
-            self.epoch = import_state(self.trainer, meta, tensors)
-        except ValueError as exc:
-            self.tel.event(f"catch-up: rejected peer state ({exc})")
-            return
-        self.cursor = 0
-        self._refresh_digest()
-        self.tel.event(f"caught up to epoch {self.epoch}")
-
-    def _refresh_digest(self) -> None:
-        from dtrain.neurons.runtime import params_digest
-
-        self._digest = params_digest(self.trainer)
-
-    def _save_checkpoint(self) -> None:
-        from dtrain.training.checkpoint import save_checkpoint
-        from dtrain.training.loop import LoopState, training_state
-
+    def _checkpoint(self) -> None:
         # Gradients of a half-filled local batch are not part of the checkpoint: on resume
         # the miner re-trains those pages, which is cheaper than persisting the buffers.
-        state = training_state(self.trainer, LoopState(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch,
-                                                       cursor=self.cursor, max_uids=MAX_UIDS))
-        save_checkpoint(self.ckpt_dir, state)
+        self._save_checkpoint(uid=self.uid, cursor=self.cursor)
 
     def _push(self) -> None:
         if self.pusher is None:
@@ -448,17 +364,12 @@ class Miner:
         self.pusher.enqueue(export, tag)
 
     def _publish(self) -> None:
-        snap = self.tel.snapshot()
         if self.pusher is not None:
             st = self.pusher.status()
             self.tel.health("hub", ok=st.consecutive_failures == 0, detail=st.last_error or "")
             if st.last_success_tag:
                 self.tel.update(last_push=st.last_success_tag)
-            snap = self.tel.snapshot()
-        try:
-            write_status_file(str(self.status_path), snap)
-        except OSError as exc:
-            log.debug("status file not written: %r", exc)
+        self._write_status()
 
 
 def _peer_caps(raw: Any) -> dict[str, float]:

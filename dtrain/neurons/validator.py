@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from dtrain.config import Config
-from dtrain.neurons.miner import MAX_UIDS
+from dtrain.neurons.base import MAX_UIDS, NeuronBase
 from dtrain.neurons.runtime import NeuronError, node_dir
-from dtrain.telemetry import MinerRow, Telemetry, write_status_file
+from dtrain.telemetry import MinerRow, Telemetry
 
 log = logging.getLogger("dtrain.validator")
 
@@ -55,18 +55,18 @@ class Probe:
     note: str = ""
 
 
-class Validator:
+class Validator(NeuronBase):
+    role = "validator"
+
     def __init__(self, cfg: Config, telemetry: Telemetry, stop: threading.Event, *, max_rounds: int | None = None):
-        self.cfg = cfg
-        self.tel = telemetry
-        self.stop = stop
+        super().__init__(cfg, telemetry, stop)
         self.max_rounds = max_rounds
-        self.epoch = 0
-        self.verify_seconds = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
+        import torch
+
         from dtrain.api.client import MinerClient
         from dtrain.neurons import runtime
         from dtrain.validation.state import ValidatorState, load_state
@@ -84,10 +84,11 @@ class Validator:
         self.tel.update(uid=self.uid, state="building model")
         self.bench = runtime.build_workbench(cfg)
         self.trainer = self.bench.trainer
-        self._resume()
+        self._resume(uid=0)
         self.eval_tokens = self._eval_batch()
         self.client = MinerClient(self.wallet, timeout=max(60.0, self._deadline() + 60))
-        self._start_swarm()
+        self._start_swarm(self._commitments())
+        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
         if cfg.api.metrics_port:
             from dtrain.metrics import serve
 
@@ -104,7 +105,7 @@ class Validator:
                 self._round()
                 rounds += 1
                 self.tel.update(state="waiting for the next round")
-                self._publish()
+                self._write_status()
                 if self.max_rounds is not None and rounds >= self.max_rounds:
                     break
                 self.stop.wait(max(0.0, cfg.validator.round_interval_s - (time.monotonic() - started)))
@@ -135,44 +136,11 @@ class Validator:
             return me.uid
         raise NeuronError("stopped before the chain answered")
 
-    def _resume(self) -> None:
-        from dtrain.training.loop import LoopState, resume_or_start
-
-        self.ckpt_dir = self.dir / "checkpoints"
-        fresh = LoopState(run_id=self.cfg.model.run_id, uid=0, max_uids=MAX_UIDS)
-        state = resume_or_start(self.trainer, self.ckpt_dir, fresh)
-        self.epoch = state.epoch
-        self.trainer.counters.epoch = self.epoch
-        self._refresh_digest()
-
-    def _start_swarm(self) -> None:
-        import torch
-
-        from dtrain.neurons import runtime
-        from dtrain.neurons.discovery import peer_maddrs
-        from dtrain.neurons.sync import export_state
-        from dtrain.swarm.averaging import GradientSwarm
-        from dtrain.swarm.node import SwarmNode
-
-        peers = peer_maddrs(self._commitments().values())
-        self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
-        self.swarm = GradientSwarm(
-            self.node.dht, [p.detach() for p in self.trainer.params], self.bench.fingerprint,
-            runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
-            state_provider=lambda: export_state(self.trainer, self.epoch),
-        )
-        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
-        self.tel.update(peer_id=self.node.peer_id)
-
     def _shutdown(self) -> None:
         self.tel.update(state="stopping")
-        for step in (lambda: self.swarm.shutdown(), lambda: self.node.shutdown()):
-            try:
-                step()
-            except Exception as exc:
-                log.warning("shutdown step failed: %r", exc)
+        self._stop_swarm()
         self.tel.update(state="stopped")
-        self._publish()
+        self._write_status()
 
     # ------------------------------------------------------------------ one round
 
@@ -208,7 +176,6 @@ class Validator:
         for probe in probes:
             self._verify(probe, nonce)
         verify_s = time.perf_counter() - t0
-        self.verify_seconds += verify_s
 
         self.tel.update(state=f"round {round_no}: all-reduce")
         record = self._allreduce(probes, round_no)
@@ -337,8 +304,9 @@ class Validator:
             self.epoch += 1
             self.trainer.counters.epoch = self.epoch
             self._refresh_digest()
-            self._save_checkpoint()
+            self._save_checkpoint(uid=0)
             if record.fraction_averaged < 1.0:
+                # Part of our replica kept local (zero) values: take a peer's state instead.
                 self._catch_up()
         self.tel.round_finished(record.to_dict())
         return record
@@ -438,30 +406,6 @@ class Validator:
 
     # ------------------------------------------------------------------ helpers
 
-    def _commitments(self) -> dict:
-        from dtrain.chain.base import ChainError
-
-        try:
-            found = self.chain.commitments()
-            self.tel.health("chain", ok=True)
-            return found
-        except ChainError as exc:
-            self.tel.health("chain", ok=False, detail=str(exc))
-            return {}
-
-    def _connect_peers(self, commitments: dict) -> None:
-        from dtrain.neurons.discovery import peer_maddrs
-
-        peers = peer_maddrs(commitments.values(), exclude_peer=self.node.peer_id)
-        fresh = [p for p in peers if p not in self.node.config.initial_peers]
-        if fresh or self.node.num_known_peers() == 0:
-            self.node.config.initial_peers = list(dict.fromkeys([*self.node.config.initial_peers, *peers]))
-            try:
-                self.node.try_bootstrap_once()
-            except Exception as exc:
-                log.debug("bootstrap attempt failed: %r", exc)
-        self.tel.update(peers_seen=self.node.num_known_peers())
-
     def _eval_batch(self):
         from dtrain.training.data import assign_pages
 
@@ -488,30 +432,6 @@ class Validator:
                                inner_step=self.trainer.counters.inner_step)
         return loss
 
-    def _catch_up(self) -> None:
-        from dtrain.neurons.sync import import_state
-
-        try:
-            loaded = self.swarm.load_state_from_peers(timeout_s=30)
-            if loaded:
-                self.epoch = import_state(self.trainer, loaded[0], loaded[1])
-                self._refresh_digest()
-                self.tel.event(f"resynchronised model state from a peer at epoch {self.epoch}")
-        except Exception as exc:
-            self.tel.event(f"resynchronisation failed: {exc!r}")
-
-    def _refresh_digest(self) -> None:
-        from dtrain.neurons.runtime import params_digest
-
-        self._digest = params_digest(self.trainer)
-
-    def _save_checkpoint(self) -> None:
-        from dtrain.training.checkpoint import save_checkpoint
-        from dtrain.training.loop import LoopState, training_state
-
-        save_checkpoint(self.ckpt_dir, training_state(
-            self.trainer, LoopState(run_id=self.bench.run_id, uid=0, epoch=self.epoch, max_uids=MAX_UIDS)))
-
     def _update_miner_table(self, weights: dict[int, float]) -> None:
         rows = []
         for uid, s in sorted(self.state.last_scores.items()):
@@ -528,10 +448,3 @@ class Validator:
 
         # After a restart the miner table shows the persisted scores straight away.
         self._update_miner_table(compute_weights(self.state.ema.scores))
-
-    def _publish(self) -> None:
-        try:
-            write_status_file(str(self.dir / "status.json"), self.tel.snapshot())
-        except OSError as exc:
-            log.debug("status file not written: %r", exc)
-

@@ -45,10 +45,10 @@ def summary_path(root: Path) -> Path:
 
 
 def write_manifest(root: Path, members: list[Member], meta: dict) -> None:
+    from dtrain.atomic import write_text
+
     doc = {**meta, "members": [asdict(m) for m in members]}
-    tmp = manifest_path(root).with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2))
-    tmp.replace(manifest_path(root))
+    write_text(manifest_path(root), json.dumps(doc, indent=2))
 
 
 def read_manifest(root: Path) -> dict | None:

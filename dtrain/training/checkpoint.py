@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from dtrain.atomic import fsync_dir, write_bytes
 from dtrain.training.errors import CheckpointError
 
 FORMAT = "dtrain-checkpoint/1"
@@ -51,27 +52,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # platforms without directory fds: best effort
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict | None:
@@ -119,11 +99,11 @@ def save_checkpoint(
         # An interrupted write leaves the previous checkpoint as LATEST; drop the partial file.
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(d)
+    fsync_dir(d)
     entry = {"format": FORMAT, "seq": seq, "file": final.name, "size": w.size, "sha256": w.sha.hexdigest()}
     if prev:
         entry["previous"] = {k: prev[k] for k in ("seq", "file", "size", "sha256")}
-    _write_atomic_bytes(d / LATEST, json.dumps(entry, indent=1).encode())
+    write_bytes(d / LATEST, json.dumps(entry, indent=1).encode())
     # Now that LATEST names the new file, everything but it and its predecessor can go.
     keep = {final.name, prev["file"] if prev else None}
     for p in d.iterdir():

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.atomic import fsync_dir
 from dtrain.validation.scoring import EmaState
 from dtrain.validation.weights import WeightSetState
 
@@ -139,18 +140,4 @@ def save_state(path: str | os.PathLike, state: ValidatorState) -> None:
             shutil.copy2(p, bak_tmp)
             os.replace(bak_tmp, bak)
     os.replace(tmp, p)
-    _fsync_dir(p.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not supported on every platform (e.g. Windows).
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(p.parent)

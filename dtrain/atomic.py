@@ -1,0 +1,44 @@
+"""Crash-safe file writes: a reader sees the old file or the new one, never half of one.
+
+Write to a temporary file in the same directory, fsync it, ``os.replace`` it over
+the target, then fsync the directory so the rename itself survives a power cut.
+Standard library only: config saving uses this on fast CLI paths.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make renames in ``directory`` durable; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
