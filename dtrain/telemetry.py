@@ -64,6 +64,7 @@ class Snapshot:
     samples: int = 0
     tokens: int = 0
     samples_accumulated: int = 0
+    local_batch: int = 0
     target_batch: int = 0
     global_samples: int = 0
     loss: float | None = None

@@ -59,6 +59,22 @@ class NeuronBase:
         )
         self.tel.update(peer_id=self.node.peer_id)
 
+    def _start_progress(self) -> None:
+        from dtrain.swarm.progress import ProgressTracker
+
+        self.progress = ProgressTracker(self.node.dht, f"dtrain-{self.cfg.model.run_id}",
+                                        self.cfg.allreduce.target_batch_size)
+
+    def _exchange_progress(self, samples_accumulated: int, samples_per_second: float) -> None:
+        """Publish our progress on the DHT and show the swarm's (samples toward the global batch)."""
+        try:
+            self.progress.report(self.epoch, samples_accumulated, samples_per_second)
+            swarm = self.progress.fetch()
+        except Exception as exc:  # the DHT is best effort here; training goes on without it
+            log.debug("progress exchange failed: %r", exc)
+            return
+        self.tel.update(global_samples=swarm.samples_accumulated, target_batch=swarm.target_batch_size)
+
     def _connect_peers(self, commitments: dict) -> None:
         """Dial committed peers we do not know yet (or all of them while we are alone)."""
         from dtrain.neurons.discovery import peer_maddrs

@@ -31,7 +31,7 @@ from dtrain.telemetry import Telemetry
 
 log = logging.getLogger("dtrain.miner")
 
-PEER_REFRESH_S = 20.0
+PEER_REFRESH_S = 10.0
 
 
 class Miner(NeuronBase):
@@ -76,6 +76,7 @@ class Miner(NeuronBase):
 
         self.tel.update(state="joining swarm")
         self._start_swarm(self._commitments())
+        self._start_progress()
         self._last_peer_refresh = time.monotonic()
         self._start_api()
         self._commit()
@@ -213,7 +214,7 @@ class Miner(NeuronBase):
                                epoch=self.epoch, inner_step=self.trainer.counters.inner_step,
                                samples=self.trainer.counters.samples, tokens=self.trainer.counters.tokens,
                                samples_accumulated=self.trainer.accumulated_samples,
-                               target_batch=self.cfg.miner.local_batch_size)
+                               local_batch=self.cfg.miner.local_batch_size)
 
     # ------------------------------------------------------------------ API handlers (server threads)
 
@@ -347,6 +348,10 @@ class Miner(NeuronBase):
         if self._pending_commit is not None:
             self._commit()
         self._connect_peers(self._commitments())
+        # Progress on the DHT is for display: any peer can write there, so catching up is
+        # triggered only by a validator's query for a later epoch or by a partial round.
+        snap = self.tel.snapshot()
+        self._exchange_progress(self.trainer.accumulated_samples, snap.tokens_per_s / max(self.cfg.model.seq_len, 1))
 
     def _checkpoint(self) -> None:
         # Gradients of a half-filled local batch are not part of the checkpoint: on resume

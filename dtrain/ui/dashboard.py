@@ -208,7 +208,7 @@ def _training_panel(s: Snapshot) -> Panel:
     g.add_row("lr", fmt_num(s.lr, 3), "")
     g.add_row("epoch", str(s.epoch), f"inner step {s.inner_step:,}")
     g.add_row("samples", f"{s.samples:,}", f"tokens {s.tokens:,}")
-    g.add_row("accumulated", "", progress_row(s.samples_accumulated, s.target_batch))
+    g.add_row("accumulated", "", progress_row(s.samples_accumulated, s.local_batch or s.target_batch))
     g.add_row("global batch", "", progress_row(s.global_samples, s.target_batch))
     return Panel(g, title="training", title_align="left", border_style="blue")
 
