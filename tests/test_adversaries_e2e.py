@@ -46,6 +46,8 @@ def test_each_adversary_is_caught_for_its_own_reason(run):
 def test_poisoner_and_inflated_weight_do_not_stop_the_loss_falling(run):
     curve = run["loss"]["curve"]
     assert all(r["status"] == "success" for r in run["rounds"])
-    # Each round's averaged step must still help: the held-out loss falls every round.
-    assert all(later < earlier for earlier, later in zip(curve, curve[1:])), curve
-    assert curve[0] - curve[-1] > 0.2, curve
+    # With the poisoner's x1000 gradient averaged in, three rounds moved the held-out loss by
+    # about 0.01; honest averaging moves it by more than 0.5 (one step of Adam can overshoot a
+    # little at this learning rate, so the curve need not fall at every single round).
+    assert curve[1] < curve[0] - 0.2, curve
+    assert curve[0] - curve[-1] > 0.4, curve
