@@ -108,7 +108,7 @@ class MinerConfig:
     grad_clip: float = _f(1.0, "Gradient norm clip (0 disables).", min=0.0)
     precision: str = _f("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16.", choices=("auto", "fp32", "bf16"))
     device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
-    checkpoint_every: int = _f(1, "Save a checkpoint every N optimizer steps.", min=1)
+    checkpoint_every: int = _f(1, "Save a checkpoint every N rounds (and always on a clean stop).", min=1)
     push_after_round: bool = _f(True, "Push the model to the store in the background after each round.")
 
 
@@ -118,11 +118,12 @@ class ValidatorConfig:
     pages_per_query: int = _f(2, "Data pages a Train query asks a miner to train on.", min=1, max=1024)
     recompute_fraction: float = _f(0.5, "Fraction of reported micro-batches the validator recomputes.", min=0.0, max=1.0)
     round_interval_s: float = _f(60.0, "Seconds between validation rounds.", min=0.0)
-    ema_alpha: float = _f(0.2, "Weight of the newest score in the moving average.", min=0.0, max=1.0)
-    weight_gradient: float = _f(0.4, "Share of the gradient score in the combined score.", min=0.0)
-    weight_steps: float = _f(0.2, "Share of the steps score.", min=0.0)
-    weight_bandwidth: float = _f(0.2, "Share of the bandwidth score.", min=0.0)
-    weight_allreduce: float = _f(0.2, "Share of the all-reduce participation score.", min=0.0)
+    ema_alpha: float = _f(0.1, "Weight of the newest score in the moving average (0 < alpha <= 1).",
+                          min=0.0, max=1.0)
+    weight_gradient: float = _f(0.30, "Share of the gradient score in the combined score.", min=0.0)
+    weight_steps: float = _f(0.35, "Share of the steps score.", min=0.0)
+    weight_bandwidth: float = _f(0.20, "Share of the bandwidth score.", min=0.0)
+    weight_allreduce: float = _f(0.15, "Share of the all-reduce participation score.", min=0.0)
     slice_bytes: int = _f(4 << 20, "Bytes of model state downloaded for the bandwidth check.", min=1)
 
 
@@ -130,7 +131,8 @@ class ValidatorConfig:
 class AllReduceConfig:
     mode: str = _f("gradient", "gradient (average every step) or diloco (average pseudo-gradients; "
                    "library and benchmarks only, mine/validate refuse it).", choices=("gradient", "diloco"))
-    target_batch_size: int = _f(512, "Global sequences per optimizer step, summed over the swarm.", min=1)
+    target_batch_size: int = _f(512, "Global batch the progress display counts toward (rounds are started by "
+                                "validators).", min=1)
     min_group_size: int = _f(2, "Smallest group an all-reduce round accepts.", min=1, max=4096)
     target_group_size: int = _f(32, "Largest group matchmaking assembles.", min=1, max=4096)
     matchmaking_time: float = _f(15.0, "Seconds to gather a group.", min=0.1)
@@ -140,9 +142,9 @@ class AllReduceConfig:
     initial_peers: list = _f(list, "Extra hivemind multiaddrs to bootstrap from (chain commitments are used too).", factory=True)
     host_maddrs: list = _f(lambda: ["/ip4/0.0.0.0/tcp/0"], "Multiaddrs hivemind listens on.", factory=True)
     announce_maddrs: list = _f(list, "Multiaddrs announced to peers (set your public IP here).", factory=True)
-    diloco_inner_steps: int = _f(500, "Local steps between DiLoCo outer steps.", min=1)
-    outer_lr: float = _f(0.7, "DiLoCo outer Nesterov learning rate.", min=0.0)
-    outer_momentum: float = _f(0.9, "DiLoCo outer momentum.", min=0.0, max=1.0)
+    diloco_inner_steps: int = _f(500, "Local steps between DiLoCo outer steps (library and benchmarks).", min=1)
+    outer_lr: float = _f(0.7, "DiLoCo outer Nesterov learning rate (library and benchmarks).", min=0.0)
+    outer_momentum: float = _f(0.9, "DiLoCo outer momentum (library and benchmarks).", min=0.0, max=1.0)
 
 
 @dataclass
@@ -413,6 +415,13 @@ def check_consistency(cfg: Config, *, source: str) -> None:
     if cfg.allreduce.min_group_size > cfg.allreduce.target_group_size:
         raise ConfigError(f"expected min_group_size <= target_group_size ({cfg.allreduce.target_group_size}), "
                           f"found {cfg.allreduce.min_group_size}", source=source, key="allreduce.min_group_size")
+    if cfg.validator.ema_alpha <= 0:
+        raise ConfigError(f"expected a value above 0, found {cfg.validator.ema_alpha}", source=source,
+                          key="validator.ema_alpha")
+    v = cfg.validator
+    if v.weight_gradient + v.weight_steps + v.weight_bandwidth + v.weight_allreduce <= 0:
+        raise ConfigError("expected at least one of weight_gradient, weight_steps, weight_bandwidth, "
+                          "weight_allreduce above 0, found all 0", source=source, key="validator.weight_gradient")
     if cfg.miner.micro_batch_size > cfg.miner.local_batch_size:
         raise ConfigError(f"expected micro_batch_size <= local_batch_size ({cfg.miner.local_batch_size}), "
                           f"found {cfg.miner.micro_batch_size}", source=source, key="miner.micro_batch_size")

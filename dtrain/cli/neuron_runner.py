@@ -57,10 +57,16 @@ def run_neuron(cfg: Config, role: str, no_dashboard: bool,
 
 def _run(neuron) -> int:
     from dtrain.chain.base import ChainError
+    from dtrain.hub.base import StoreError
     from dtrain.neurons.runtime import NeuronError
     from dtrain.training.errors import TrainingError
+    from dtrain.validation.state import StateError
 
     try:
         return neuron.run()
-    except (NeuronError, TrainingError, ChainError) as exc:
+    except (NeuronError, TrainingError, ChainError, StateError, StoreError) as exc:
         raise CommandError(str(exc)) from None
+    except OSError as exc:
+        # Typically a port already in use or a data directory that cannot be written.
+        where = exc.filename or "check api.port, api.metrics_port and node.data_dir"
+        raise CommandError(f"{exc.strerror or exc} ({where})") from None

@@ -27,6 +27,9 @@ class NeuronBase:
         self.stop = stop
         self.epoch = 0
         self._digest = ""
+        # The training thread owns the model; other threads (the state-slice handler, hivemind's
+        # state sharing) read it only under this lock, so they never see a half-applied step.
+        self.model_lock = threading.RLock()
 
     # Set by the subclasses' run(): chain, dir, bench, trainer, node, swarm.
 
@@ -45,7 +48,6 @@ class NeuronBase:
     def _start_swarm(self, commitments: dict) -> None:
         from dtrain.neurons import runtime
         from dtrain.neurons.discovery import peer_maddrs
-        from dtrain.neurons.sync import export_state
         from dtrain.swarm.averaging import GradientSwarm
         from dtrain.swarm.node import SwarmNode
 
@@ -55,9 +57,17 @@ class NeuronBase:
             self.node.dht, [p.detach() for p in self.trainer.params], self.bench.fingerprint,
             runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
             # Peers that fall behind download parameters, optimizer moments and counters from us.
-            state_provider=lambda: export_state(self.trainer, self.epoch),
+            state_provider=self._shared_state,
         )
+        self.swarm.set_state_priority(self.epoch)
         self.tel.update(peer_id=self.node.peer_id)
+
+    def _shared_state(self):
+        from dtrain.neurons.sync import export_state
+
+        with self.model_lock:
+            meta, tensors = export_state(self.trainer, self.epoch)
+            return meta, [t.clone() for t in tensors]
 
     def _start_progress(self) -> None:
         from dtrain.swarm.progress import ProgressTracker
@@ -89,8 +99,14 @@ class NeuronBase:
                 log.debug("bootstrap attempt failed: %r", exc)
         self.tel.update(peers_seen=self.node.num_known_peers())
 
-    def _catch_up(self) -> bool:
-        """Adopt a peer's model state (after a partial round, or when behind). True on success."""
+    def _catch_up(self, *, epoch: int | None = None, digest: str | None = None) -> bool:
+        """Adopt a peer's model state; True on success.
+
+        Any DHT peer can offer state, so what arrives is checked before it is kept: it must be
+        at ``epoch`` and hash to ``digest`` when the caller knows them (from a validator's
+        query, or from what most miners report), and never older than ours. Otherwise our
+        own state is put back.
+        """
         from dtrain.neurons.sync import import_state
 
         self.tel.event("catching up: loading model state from a peer")
@@ -102,12 +118,28 @@ class NeuronBase:
         if not loaded:
             self.tel.event("catch-up: no peer shared its state")
             return False
-        try:
-            self.epoch = import_state(self.trainer, loaded[0], loaded[1])
-        except ValueError as exc:
-            self.tel.event(f"catch-up: rejected peer state ({exc})")
-            return False
-        self._refresh_digest()
+        with self.model_lock:
+            own_meta, own_tensors = self._shared_state()
+            try:
+                new_epoch = import_state(self.trainer, loaded[0], loaded[1])
+            except ValueError as exc:
+                self.tel.event(f"catch-up: rejected peer state ({exc})")
+                return False
+            self._refresh_digest()
+            problem = ""
+            if new_epoch < own_meta["epoch"]:
+                problem = f"it is older (epoch {new_epoch} < {own_meta['epoch']})"
+            elif epoch is not None and new_epoch != epoch:
+                problem = f"it is at epoch {new_epoch}, expected {epoch}"
+            elif digest is not None and self._digest != digest:
+                problem = "its parameters differ from the swarm's"
+            if problem:
+                import_state(self.trainer, own_meta, own_tensors)
+                self._refresh_digest()
+                self.tel.event(f"catch-up: refused a peer's state: {problem}")
+                return False
+            self.epoch = new_epoch
+        self.swarm.set_state_priority(self.epoch)
         self.tel.event(f"caught up to epoch {self.epoch}")
         return True
 
@@ -116,13 +148,16 @@ class NeuronBase:
 
         self._digest = params_digest(self.trainer)
 
-    def _save_checkpoint(self, *, uid: int, cursor: int = 0) -> None:
+    def _save_checkpoint(self, *, uid: int) -> None:
         from dtrain.training.checkpoint import save_checkpoint
         from dtrain.training.loop import LoopState, training_state
 
-        save_checkpoint(self.dir / "checkpoints", training_state(
-            self.trainer, LoopState(run_id=self.bench.run_id, uid=uid, epoch=self.epoch, cursor=cursor,
-                                    max_uids=MAX_UIDS)))
+        # The cursor is saved as 0: gradients of a half-filled local batch are not kept, so a
+        # resumed miner re-trains the epoch's pages from the start rather than skipping them.
+        with self.model_lock:
+            state = training_state(self.trainer, LoopState(run_id=self.bench.run_id, uid=uid, epoch=self.epoch,
+                                                           cursor=0, max_uids=MAX_UIDS))
+        save_checkpoint(self.dir / "checkpoints", state)
 
     def _resume(self, *, uid: int) -> bool:
         """Load this neuron's checkpoint if it has one; returns whether it did."""

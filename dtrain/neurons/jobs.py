@@ -15,9 +15,14 @@ from typing import Any, Callable
 class JobQueue:
     def __init__(self) -> None:
         self._jobs: "queue.Queue[tuple[Callable[[], Any], Future]]" = queue.Queue()
+        self._closed: BaseException | None = None
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
+        if self._closed is not None:
+            # Shutting down: answer at once instead of leaving a handler thread waiting.
+            future.set_exception(self._closed)
+            return future
         self._jobs.put((fn, future))
         return future
 
@@ -39,6 +44,11 @@ class JobQueue:
                 fn, future = self._jobs.get_nowait()
             except queue.Empty:
                 return ran
+
+    def close(self, reason: BaseException) -> None:
+        """Refuse new jobs and fail the queued ones with ``reason``."""
+        self._closed = reason
+        self.cancel_all(reason)
 
     def cancel_all(self, reason: BaseException) -> None:
         while True:

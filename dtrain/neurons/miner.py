@@ -27,11 +27,16 @@ from dtrain.neurons import adversary as adv
 from dtrain.neurons.base import MAX_UIDS, NeuronBase
 from dtrain.neurons.jobs import JobQueue
 from dtrain.neurons.runtime import NeuronError, node_dir
+from dtrain.training.errors import DataSourceError
 from dtrain.telemetry import Telemetry
 
 log = logging.getLogger("dtrain.miner")
 
 PEER_REFRESH_S = 10.0
+# Limits on what one validator query may ask of this miner (a permitted validator is trusted
+# to query, not to freeze the training thread for a day or exhaust memory).
+MAX_QUERY_PAGES = 64
+DATA_RETRY_S = 5.0
 
 
 class Miner(NeuronBase):
@@ -49,7 +54,10 @@ class Miner(NeuronBase):
         self.rounds_done = 0
         self._needs_catch_up = False
         self._pending_commit = None
+        self._post_round = False
         self._last_loss: float | None = None
+        self._data_retry_at = 0.0
+        self.server = self.pusher = self.node = self.swarm = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -63,6 +71,8 @@ class Miner(NeuronBase):
         self.tel.update(hotkey=self.hotkey, state="connecting to chain")
         self.chain = runtime.open_chain_for(cfg, wallet=wallet)
         self.uid = self._wait_for_registration()
+        if self.uid is None:
+            return 0  # stopped (Ctrl-C) while waiting for registration
         self.dir = node_dir(cfg, "miner", self.hotkey)
 
         self.tel.update(uid=self.uid, state="building model")
@@ -75,20 +85,21 @@ class Miner(NeuronBase):
                        f"tokenizer {self.bench.tokenizer_info.name}, fingerprint {self.bench.fingerprint[:12]}")
 
         self.tel.update(state="joining swarm")
-        self._start_swarm(self._commitments())
-        self._start_progress()
-        self._last_peer_refresh = time.monotonic()
-        self._start_api()
-        self._commit()
-        self._start_pusher()
-        self.tel.update(state="training")
         try:
+            # Anything that fails from here on still tears down what was started.
+            self._start_swarm(self._commitments())
+            self._start_progress()
+            self._start_api()
+            self._commit()
+            self._start_pusher()
+            self._start_refresher()
+            self.tel.update(state="training")
             self._loop()
         finally:
             self._shutdown()
         return 0
 
-    def _wait_for_registration(self) -> int:
+    def _wait_for_registration(self) -> int | None:
         from dtrain.chain.base import ChainError
 
         uid = None
@@ -105,8 +116,6 @@ class Miner(NeuronBase):
                                    f"register it with: btcli subnet register --netuid {self.cfg.chain.netuid}")
                 self.stop.wait(delay)
                 delay = min(delay * 2, 30.0)
-        if uid is None:
-            raise NeuronError("stopped before the hotkey was registered")
         return uid
 
     def _start_api(self) -> None:
@@ -126,20 +135,30 @@ class Miner(NeuronBase):
         self.server.start()
         host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
         self.api_address = a.external_address or f"{host}:{self.server.port}"
+        if self.cfg.chain.network not in ("sandbox", "local") and _is_loopback(self.api_address):
+            # Committed on chain, a loopback address sends every validator to its own machine.
+            raise NeuronError(f"the miner API would be announced as {self.api_address}, which validators cannot "
+                              "reach; set api.external_address (or --external-address) to your public host:port")
         self.tel.update(api=self.api_address)
 
     def _commit(self) -> None:
         from dtrain.chain.base import ChainError
         from dtrain.chain.commitment import MinerCommitment
 
-        record = MinerCommitment(peer_id=self.node.peer_id, api=self.api_address,
-                                 repo=self.cfg.hub.repo or "none")
+        from dtrain.chain.commitment import CommitmentError
+
+        try:
+            record = MinerCommitment(peer_id=self.node.peer_id, api=self.api_address,
+                                     repo=self.cfg.hub.repo or "none")
+        except CommitmentError as exc:
+            raise NeuronError(f"cannot announce this miner on chain: {exc} (check api.external_address and "
+                              "hub.repo)") from None
         try:
             self.chain.commit(record)
             self.tel.health("chain", ok=True)
             self.tel.event(f"committed peer {record.peer_id[:12]}… api {record.api}")
         except ChainError as exc:
-            # Keep training; _maybe_recommit tries again after an outage.
+            # Keep training; the peer refresher commits again after the outage.
             self.tel.health("chain", ok=False, detail=str(exc))
             self._pending_commit = record
             return
@@ -158,16 +177,25 @@ class Miner(NeuronBase):
 
     def _shutdown(self) -> None:
         self.tel.update(state="stopping")
-        self.jobs.cancel_all(RuntimeError("miner is shutting down"))
-        for step in (self._checkpoint, lambda: self.server.stop(),
-                     lambda: self.pusher and self.pusher.stop(drain=True, timeout=30)):
+        self.stop.set()  # also ends the peer refresher
+        from dtrain.api.server import HandlerError
+
+        # Refuse new jobs and answer waiting handlers first, so stopping the server never
+        # waits on a handler that waits on the (no longer running) training loop.
+        self.jobs.close(HandlerError(503, "miner is shutting down"))
+        steps = [lambda: self.server and self.server.stop(),
+                 lambda: self.pusher and self.pusher.stop(drain=True, timeout=30)]
+        if self.swarm is not None:
+            steps.insert(0, self._checkpoint)
+        for step in steps:
             try:
                 step()
             except Exception as exc:  # keep tearing down; report what failed
                 log.warning("shutdown step failed: %r", exc)
-        self._stop_swarm()
+        if self.swarm is not None:
+            self._stop_swarm()
         self.tel.update(state="stopped")
-        self._publish()
+        self._write_status()
 
     # ------------------------------------------------------------------ main loop
 
@@ -175,10 +203,18 @@ class Miner(NeuronBase):
         last_publish = 0.0
         while not self.stop.is_set():
             self.jobs.run_pending()
+            if self._post_round:
+                # After the validator has its answer: disk work never delays a round's reply.
+                self._post_round = False
+                if self.epoch % self.cfg.miner.checkpoint_every == 0:
+                    self._checkpoint()
+                self._push()
             if self._needs_catch_up:
+                wanted = self._needs_catch_up
                 self._needs_catch_up = False
-                if self._catch_up():
+                if self._catch_up(**(wanted if isinstance(wanted, dict) else {})):
                     self.cursor = 0
+                    self._checkpoint()
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
             if self._wants_more_data():
@@ -189,12 +225,12 @@ class Miner(NeuronBase):
             if now - last_publish > 1.0:
                 self._publish()
                 last_publish = now
-            if now - self._last_peer_refresh > PEER_REFRESH_S:
-                self._refresh_peers()
 
     def _wants_more_data(self) -> bool:
         if self.kind == "lazy":
             return False  # a lazy miner never trains
+        if time.monotonic() < self._data_retry_at:
+            return False
         return self.trainer.accumulated_samples < self.cfg.miner.local_batch_size
 
     def _train_own_page(self) -> None:
@@ -204,7 +240,16 @@ class Miner(NeuronBase):
         page = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, counter=self.cursor,
                             num_pages=reader.num_pages, count=1, max_uids=MAX_UIDS)
         t0 = time.perf_counter()
-        results = self.trainer.accumulate(reader.read_pages(page))
+        try:
+            tokens_in = reader.read_pages(page)
+        except DataSourceError as exc:
+            # A streaming hiccup (e.g. a Hub timeout) costs one page, not the miner.
+            self.tel.event(f"data page {page[0]} unavailable ({exc}); skipping it, retrying in {DATA_RETRY_S:.0f}s")
+            self.cursor += 1
+            self._data_retry_at = time.monotonic() + DATA_RETRY_S
+            return
+        with self.model_lock:
+            results = self.trainer.accumulate(tokens_in)
         elapsed = max(time.perf_counter() - t0, 1e-9)
         self.cursor += 1
         tokens = sum(r.samples for r in results) * self.cfg.model.seq_len
@@ -231,10 +276,13 @@ class Miner(NeuronBase):
     def _train(self, body: dict, caller: str) -> dict:
         from dtrain.api.server import HandlerError
 
+        if int(body["pages"]) > MAX_QUERY_PAGES:
+            raise HandlerError(422, f"field 'pages' must be at most {MAX_QUERY_PAGES} on this miner")
         future = self.jobs.submit(lambda: self._do_train(body))
         try:
             return future.result(timeout=300)
         except FuturesTimeout:
+            future.cancel()  # a late answer is useless to the validator: do not train it later
             raise HandlerError(503, "training thread busy; try again") from None
 
     def _do_train(self, body: dict) -> dict:
@@ -242,8 +290,7 @@ class Miner(NeuronBase):
         from dtrain.training.data import assign_pages
 
         if int(body["epoch"]) != self.epoch:
-            if int(body["epoch"]) > self.epoch:
-                self._needs_catch_up = True
+            self._behind(body)
             raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {body['epoch']}")
         reader = self.bench.reader
         page_uid = adv.copycat_uid(self.uid) if self.kind == "copycat" else self.uid
@@ -258,7 +305,12 @@ class Miner(NeuronBase):
             previous = self.trainer.config.micro_batch_size
             self.trainer.config.micro_batch_size = mbs  # the validator recomputes with this split
             try:
-                results = self.trainer.accumulate(reader.read_pages(pages), fingerprint_nonce=body["nonce"])
+                tokens_in = reader.read_pages(pages)
+            except DataSourceError as exc:
+                raise HandlerError(503, f"data unavailable: {exc}") from None
+            try:
+                with self.model_lock:
+                    results = self.trainer.accumulate(tokens_in, fingerprint_nonce=body["nonce"])
             finally:
                 self.trainer.config.micro_batch_size = previous
             micro = [r.fingerprint.to_dict() for r in results]
@@ -273,43 +325,62 @@ class Miner(NeuronBase):
 
         if self.kind == "freeloader":
             return {"joined": False, "round": None, "epoch": self.epoch, "reason": "not joining"}
-        future = self.jobs.submit(lambda: self._do_round(body))
+        if float(body["deadline_s"]) > self._max_deadline():
+            raise HandlerError(422, f"field 'deadline_s' must be at most {self._max_deadline():g} on this miner")
+        peer_caps = _peer_caps(body.get("weight_caps"))
+        future = self.jobs.submit(lambda: self._do_round(body, peer_caps))
         try:
             return future.result(timeout=float(body["deadline_s"]) + 120)
         except FuturesTimeout:
+            future.cancel()
             raise HandlerError(503, "round did not finish in time") from None
 
-    def _do_round(self, body: dict) -> dict:
+    def _max_deadline(self) -> float:
+        a = self.cfg.allreduce
+        return 2 * (a.matchmaking_time * 3 + a.allreduce_timeout)
+
+    def _behind(self, body: dict) -> None:
+        """A validator queried a later epoch: catch up to exactly its state."""
+        if int(body["epoch"]) > self.epoch:
+            digest = body.get("params_digest")
+            self._needs_catch_up = {"epoch": int(body["epoch"]),
+                                    "digest": digest if isinstance(digest, str) else None}
+
+    def _do_round(self, body: dict, peer_caps: dict[str, float]) -> dict:
         import torch
 
         if int(body["epoch"]) != self.epoch:
-            if int(body["epoch"]) > self.epoch:
-                self._needs_catch_up = True
+            self._behind(body)
             return {"joined": False, "round": None, "epoch": self.epoch,
                     "reason": f"miner is at epoch {self.epoch}, round is for epoch {body['epoch']}"}
         samples = self.trainer.accumulated_samples
         # Peers exchange *mean* gradients weighted by sample counts; the trainer keeps sums.
         mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
-        weight = float(samples)
+        # An honest miner never claims more than the cap it was told: a claim above it would be
+        # read as inflation (e.g. after a failed round, or with several validators' Train pages).
+        weight = float(min(samples, float(body["weight_cap"])))
         if self.kind == "inflated-weight":
             weight = adv.INFLATED_WEIGHT
         if self.kind == "poisoner":
             mean = adv.poison(mean)
-        peer_caps = _peer_caps(body.get("weight_caps"))
+        # With per-peer caps, a peer the validator did not list (it did not verify it) gets none.
+        default_cap = 0.0 if peer_caps else float(body["weight_cap"])
         info = {"round_id": body["round_id"], "epoch": self.epoch, "weight": weight}
         self.tel.round_started(info)
-        record = self.swarm.run_round(mean, weight=weight, cap=float(body["weight_cap"]),
+        record = self.swarm.run_round(mean, weight=weight, cap=default_cap,
                                       tokens=samples * self.cfg.model.seq_len,
                                       timeout_s=float(body["deadline_s"]), peer_caps=peer_caps)
         result: dict[str, Any] = {"joined": not record.error, "round": record.to_dict()}
         if record.ok and all(bool(torch.isfinite(t).all()) for t in mean):
-            self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(mean, self.trainer.params)],
-                                       num_samples=1)
-            metrics = self.trainer.step()
-            self.epoch += 1
-            self.trainer.counters.epoch = self.epoch
+            with self.model_lock:
+                self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(mean, self.trainer.params)],
+                                           num_samples=1)
+                metrics = self.trainer.step()
+                self.epoch += 1
+                self.trainer.counters.epoch = self.epoch
+                self._refresh_digest()
+            self.swarm.set_state_priority(self.epoch)
             self.cursor = 0  # page counters restart with each epoch's fresh permutation
-            self._refresh_digest()
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
                 self._needs_catch_up = True
@@ -320,8 +391,7 @@ class Miner(NeuronBase):
             else:  # nothing was trained locally (e.g. only averaged gradients): no loss to report
                 self.tel.update(epoch=self.epoch, inner_step=metrics.inner_step, samples_accumulated=0,
                                 grad_norm=metrics.grad_norm, lr=metrics.lr)
-            self._checkpoint()
-            self._push()
+            self._post_round = True
         self.rounds_done += 1
         self.tel.round_finished(record.to_dict())
         result["epoch"] = self.epoch
@@ -329,34 +399,36 @@ class Miner(NeuronBase):
 
     def _state_slice(self, offset: int, length: int) -> bytes:
         """Bytes of the current parameters (float32), for the validator's bandwidth check."""
-        flat = self.trainer.flat_parameters().detach().to("cpu").float().numpy().tobytes()
-        if not flat:
-            return b""
-        # Wrap around so a validator can ask for more bytes than a tiny model holds.
-        offset %= len(flat)
-        out = bytearray()
-        while len(out) < length:
-            chunk = flat[offset:offset + length - len(out)]
-            out += chunk
-            offset = 0
-        return bytes(out)
+        from dtrain.neurons.sync import state_slice
+
+        with self.model_lock:
+            return state_slice(self.trainer, offset, length)
 
     # ------------------------------------------------------------------ helpers
 
+    def _start_refresher(self) -> None:
+        """Chain reads, peer dialing and progress exchange, off the training thread."""
+
+        def loop() -> None:
+            while not self.stop.wait(PEER_REFRESH_S):
+                try:
+                    self._refresh_peers()
+                except Exception as exc:  # a failed refresh is retried at the next tick
+                    log.debug("peer refresh failed: %r", exc)
+
+        threading.Thread(target=loop, name="dtrain-peer-refresh", daemon=True).start()
+
     def _refresh_peers(self) -> None:
-        self._last_peer_refresh = time.monotonic()
         if self._pending_commit is not None:
             self._commit()
         self._connect_peers(self._commitments())
         # Progress on the DHT is for display: any peer can write there, so catching up is
         # triggered only by a validator's query for a later epoch or by a partial round.
         snap = self.tel.snapshot()
-        self._exchange_progress(self.trainer.accumulated_samples, snap.tokens_per_s / max(self.cfg.model.seq_len, 1))
+        self._exchange_progress(snap.samples_accumulated, snap.tokens_per_s / max(self.cfg.model.seq_len, 1))
 
     def _checkpoint(self) -> None:
-        # Gradients of a half-filled local batch are not part of the checkpoint: on resume
-        # the miner re-trains those pages, which is cheaper than persisting the buffers.
-        self._save_checkpoint(uid=self.uid, cursor=self.cursor)
+        self._save_checkpoint(uid=self.uid)
 
     def _push(self) -> None:
         if self.pusher is None:
@@ -364,7 +436,8 @@ class Miner(NeuronBase):
         from dtrain.hub.tags import format_tag
 
         export = self.dir / "export"
-        self.bench.model.save_pretrained(str(export))
+        with self.model_lock:
+            self.bench.model.save_pretrained(str(export))
         tag = format_tag(self.bench.run_id, self.epoch, self.trainer.counters.inner_step)
         self.pusher.enqueue(export, tag)
 
@@ -375,6 +448,23 @@ class Miner(NeuronBase):
             if st.last_success_tag:
                 self.tel.update(last_push=st.last_success_tag)
         self._write_status()
+
+
+def _is_loopback(api: str) -> bool:
+    import ipaddress
+
+    from dtrain.chain.commitment import split_api
+
+    try:
+        host = split_api(api)[0]
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _peer_caps(raw: Any) -> dict[str, float]:

@@ -31,6 +31,38 @@ def export_state(trainer, epoch: int) -> tuple[dict[str, Any], list[torch.Tensor
     return meta, tensors
 
 
+def state_slice(trainer, offset: int, length: int) -> bytes:
+    """``length`` bytes of the float32 parameters from ``offset``, wrapping around at the end.
+
+    Validators ask for more bytes than a small model holds to measure bandwidth, and
+    check the bytes against their own replica, so both sides use this one function.
+    Only the parameters the range touches are copied.
+    """
+    sizes = [p.numel() * 4 for p in trainer.params]
+    total = sum(sizes)
+    if total == 0 or length <= 0:
+        return b""
+    out = bytearray()
+    position = offset % total
+    while len(out) < length:
+        start = 0
+        for p, size in zip(trainer.params, sizes):
+            end = start + size
+            if start <= position < end:
+                want = min(end - position, length - len(out))
+                first = (position - start) // 4
+                count = (position - start + want + 3) // 4 - first
+                chunk = p.detach().reshape(-1)[first:first + count].to("cpu", torch.float32).numpy().tobytes()
+                skip = (position - start) % 4
+                out += chunk[skip:skip + want]
+                position += want
+                if len(out) >= length:
+                    break
+            start = end
+        position %= total
+    return bytes(out)
+
+
 @torch.no_grad()
 def import_state(trainer, meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> int:
     """Adopt a peer's state; returns its epoch. Raises ValueError when it does not fit this model."""

@@ -53,6 +53,8 @@ class Probe:
     checks: list = field(default_factory=list)
     outcome: str = ""
     note: str = ""
+    shared_peer_id: bool = False
+    slice_check: tuple | None = None
 
 
 class Validator(NeuronBase):
@@ -78,6 +80,8 @@ class Validator(NeuronBase):
         self.tel.update(hotkey=self.hotkey, state="connecting to chain")
         self.chain = runtime.open_chain_for(cfg, wallet=self.wallet)
         self.uid = self._require_permit()
+        if self.uid is None:
+            return 0  # stopped (Ctrl-C) while waiting for the chain
         self.dir = node_dir(cfg, "validator", self.hotkey)
         self.state_path = self.dir / "state.json"
         self.state = load_state(self.state_path) if self.state_path.exists() else ValidatorState()
@@ -87,22 +91,28 @@ class Validator(NeuronBase):
         self._resume(uid=0)
         self.eval_tokens = self._eval_batch()
         self.client = MinerClient(self.wallet, timeout=max(60.0, self._deadline() + 60))
-        self._start_swarm(self._commitments())
-        self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
-        if cfg.api.metrics_port:
-            from dtrain.metrics import serve
-
-            try:
-                serve(self.tel, cfg.api.host, cfg.api.metrics_port)
-            except OSError as exc:
-                self.tel.event(f"metrics endpoint not started on port {cfg.api.metrics_port}: {exc}")
-        self.tel.update(state="validating")
-        self._restore_dashboard()
+        self.swarm = None
         try:
+            self._start_swarm(self._commitments())
+            self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
+            if cfg.api.metrics_port:
+                from dtrain.metrics import serve
+
+                try:
+                    serve(self.tel, cfg.api.host, cfg.api.metrics_port)
+                except OSError as exc:
+                    self.tel.event(f"metrics endpoint not started on port {cfg.api.metrics_port}: {exc}")
+            self.tel.update(state="validating")
+            self._restore_dashboard()
             rounds = 0
             while not self.stop.is_set() and (self.max_rounds is None or rounds < self.max_rounds):
                 started = time.monotonic()
-                self._round()
+                try:
+                    self._round()
+                except Exception as exc:
+                    # One bad round (a hostile miner, a data hiccup) must not end validation.
+                    log.exception("validation round failed")
+                    self.tel.event(f"round failed: {type(exc).__name__}: {exc}")
                 rounds += 1
                 self.tel.update(state="waiting for the next round")
                 self._write_status()
@@ -113,7 +123,7 @@ class Validator(NeuronBase):
             self._shutdown()
         return 0
 
-    def _require_permit(self) -> int:
+    def _require_permit(self) -> int | None:
         from dtrain.chain.base import ChainError
 
         delay = 1.0
@@ -134,11 +144,12 @@ class Validator(NeuronBase):
                 raise NeuronError(f"uid {me.uid} has no validator permit on netuid {self.cfg.chain.netuid}; "
                                   "miners will refuse its queries (stake more to earn a permit)")
             return me.uid
-        raise NeuronError("stopped before the chain answered")
+        return None
 
     def _shutdown(self) -> None:
         self.tel.update(state="stopping")
-        self._stop_swarm()
+        if self.swarm is not None:
+            self._stop_swarm()
         self.tel.update(state="stopped")
         self._write_status()
 
@@ -165,8 +176,12 @@ class Validator(NeuronBase):
         selected = rng.sample(miners, min(len(miners), self.cfg.validator.miners_per_round))
         probes = [Probe(uid=n.uid, hotkey=n.hotkey, api=commitments[n.hotkey].api,
                         peer_id=commitments[n.hotkey].peer_id) for n in selected]
+        self._mark_shared_peer_ids(probes, commitments)
         self._connect_peers(commitments)
 
+        with ThreadPoolExecutor(max_workers=min(8, len(probes))) as pool:
+            list(pool.map(self._status_of, probes))
+        self._follow_the_swarm(probes)
         loss_before = self._eval_loss()
         self.tel.update(state=f"round {round_no}: Train queries")
         nonce = secrets.token_hex(16)
@@ -191,27 +206,71 @@ class Validator(NeuronBase):
         self.tel.event(f"round {round_no}: {summary['status']}, {len(summary['participants'])} participants, "
                        f"eval loss {loss_before:.3f} -> {loss_after:.3f}")
 
-    def _probe(self, probe: Probe, nonce: str) -> None:
+    def _status_of(self, probe: Probe) -> None:
         from dtrain.api.client import ApiError
 
         try:
             probe.status = self.client.status(probe.api, timeout=10)
         except ApiError as exc:
             probe.train_error = f"status: {exc}"
+
+    def _mark_shared_peer_ids(self, probes: list[Probe], commitments: dict) -> None:
+        """Hotkeys that commit the same hivemind peer id cannot be told apart in a round: the
+        copy would inherit the original's outcome. None of them is trusted."""
+        from collections import Counter
+
+        counts = Counter(c.peer_id for c in commitments.values())
+        for probe in probes:
+            if counts[probe.peer_id] > 1:
+                probe.shared_peer_id = True
+                probe.note = "peer id committed by several hotkeys"
+
+    def _follow_the_swarm(self, probes: list[Probe]) -> None:
+        """If most reachable miners agree on a later (epoch, parameters) than ours, adopt it.
+
+        Without this a validator that fell behind (restart from an older checkpoint, a second
+        validator's round) could never verify anyone again.
+        """
+        from collections import Counter
+
+        states = Counter()
+        for probe in probes:
+            st = probe.status or {}
+            epoch, digest = st.get("epoch"), st.get("params_digest")
+            if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(digest, str):
+                states[(epoch, digest)] += 1
+        if not states:
+            return
+        (epoch, digest), votes = states.most_common(1)[0]
+        if epoch > self.epoch and votes * 2 > len(probes):
+            self.tel.event(f"most miners are at epoch {epoch}, this validator at {self.epoch}: catching up")
+            if self._catch_up(epoch=epoch, digest=digest):
+                self._save_checkpoint(uid=0)
+
+    def _probe(self, probe: Probe, nonce: str) -> None:
+        from dtrain.api.client import ApiError
+
+        if probe.status is None or probe.shared_peer_id:
             return
         body = {"nonce": nonce, "epoch": self.epoch, "pages": self.cfg.validator.pages_per_query,
-                "micro_batch_size": self.cfg.miner.micro_batch_size}
+                "micro_batch_size": self.cfg.miner.micro_batch_size, "params_digest": self._digest}
         t0 = time.perf_counter()
         try:
             probe.train = self.client.train(probe.api, probe.hotkey, body, timeout=300)
         except ApiError as exc:
             probe.train_error = str(exc)
         probe.train_seconds = time.perf_counter() - t0
+        # A random offset, and the bytes must be our own replica's: a miner cannot serve zeros
+        # (or a cached blob) without holding the model.
+        length = self.cfg.validator.slice_bytes
+        offset = secrets.randbelow(max(1, 4 * sum(p.numel() for p in self.trainer.params)))
         try:
-            dl = self.client.state_slice(probe.api, probe.hotkey, 0, self.cfg.validator.slice_bytes, timeout=60)
-            probe.slice_bps = dl.bytes_per_second if dl.bytes_received == self.cfg.validator.slice_bytes else 0.0
+            dl = self.client.state_slice(probe.api, probe.hotkey, offset, length, timeout=60)
         except ApiError as exc:
             probe.slice_bps, probe.slice_error = 0.0, str(exc)
+            return
+        probe.slice_bps = dl.bytes_per_second
+        probe.slice_check = (offset, length, dl.sha256, dl.bytes_received)
 
     def _verify(self, probe: Probe, nonce: str) -> None:
         """Recompute a random subset of the miner's micro-batches; fill ``probe.checks``."""
@@ -220,8 +279,9 @@ class Validator(NeuronBase):
         from dtrain.training.trainer import recompute_fingerprints
         from dtrain.validation.scoring import MicroBatchCheck
 
+        self._check_slice(probe)
         if probe.train is None:
-            probe.note = probe.train_error or "no Train answer"
+            probe.note = probe.note or probe.train_error or "no Train answer"
             return
         answer = probe.train
         if answer.get("epoch") != self.epoch or answer.get("params_digest") != self._digest:
@@ -251,7 +311,7 @@ class Validator(NeuronBase):
                                                precision=self.trainer.precision)[0]
             try:
                 claimed = Fingerprint.from_dict(micro[index])
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, OverflowError):
                 checks.append(MicroBatchCheck(passed=False, similarity=0.0, loss_rel_err=math.inf))
                 continue
             cmp = compare_fingerprints(claimed, reference)
@@ -261,6 +321,19 @@ class Validator(NeuronBase):
             if not cmp.passed:
                 probe.note = "; ".join(cmp.reasons)
         probe.checks = checks
+
+    def _check_slice(self, probe: Probe) -> None:
+        import hashlib
+
+        from dtrain.neurons.sync import state_slice
+
+        if probe.slice_check is None:
+            return
+        offset, length, sha, received = probe.slice_check
+        expected = hashlib.sha256(state_slice(self.trainer, offset, length)).hexdigest()
+        if received != length or sha != expected:
+            probe.slice_bps = 0.0
+            probe.slice_error = "state slice does not match the model"
 
     def _deadline(self) -> float:
         a = self.cfg.allreduce
@@ -277,10 +350,11 @@ class Validator(NeuronBase):
         from dtrain.api.client import ApiError
 
         # The cap is what we verified: a miner whose Train answer failed gets no weight at all.
-        caps = {p.peer_id: (self._weight_cap() if p.checks and all(c.passed for c in p.checks) else 0.0)
-                for p in probes}
+        caps = {p.peer_id: (self._weight_cap() if p.checks and all(c.passed for c in p.checks)
+                            and not p.shared_peer_id else 0.0) for p in probes}
         body = {"round_id": f"{self.bench.run_id}-{self.epoch}-{round_no}", "epoch": self.epoch,
-                "weight_cap": self._weight_cap(), "deadline_s": self._deadline(), "weight_caps": caps}
+                "weight_cap": self._weight_cap(), "deadline_s": self._deadline(), "weight_caps": caps,
+                "params_digest": self._digest}
         self.tel.round_started({"round_id": body["round_id"], "epoch": self.epoch, "miners": len(probes)})
 
         def ask(probe: Probe) -> None:
@@ -292,18 +366,20 @@ class Validator(NeuronBase):
         with ThreadPoolExecutor(max_workers=min(16, len(probes))) as pool:
             futures = [pool.submit(ask, p) for p in probes]
             tensors = [z.clone() for z in self.zeros]
-            record = self.swarm.run_round(tensors, weight=0.0, cap=self._weight_cap(),
+            record = self.swarm.run_round(tensors, weight=0.0, cap=0.0,
                                           expected_peers=[p.peer_id for p in probes], timeout_s=self._deadline(),
                                           peer_caps=caps)
             for f in futures:
                 f.result()
         if record.ok and all(bool(torch.isfinite(t).all()) for t in tensors):
-            self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(tensors, self.trainer.params)],
-                                       num_samples=1)
-            self.trainer.step()
-            self.epoch += 1
-            self.trainer.counters.epoch = self.epoch
-            self._refresh_digest()
+            with self.model_lock:
+                self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(tensors, self.trainer.params)],
+                                           num_samples=1)
+                self.trainer.step()
+                self.epoch += 1
+                self.trainer.counters.epoch = self.epoch
+                self._refresh_digest()
+            self.swarm.set_state_priority(self.epoch)
             self._save_checkpoint(uid=0)
             if record.fraction_averaged < 1.0:
                 # Part of our replica kept local (zero) values: take a peer's state instead.
@@ -328,19 +404,21 @@ class Validator(NeuronBase):
             if outcome is None:
                 outcome = Outcome.NOT_ALIVE if probe.status is None else Outcome.NON_PARTICIPATING
             probe.outcome = outcome.value
+            # The all-reduce figures in a miner's reply are its own claims, so bandwidth is
+            # scored on the state slice this validator timed (and checked) itself.
             throughput = None
-            miner_round = (probe.allreduce or {}).get("round") if probe.allreduce else None
-            if isinstance(miner_round, dict) and miner_round.get("duration_s"):
-                moved = float(miner_round.get("bytes_sent", 0)) + float(miner_round.get("bytes_received", 0))
-                throughput = moved / max(float(miner_round["duration_s"]), 1e-6)
             train = None
-            if probe.train is not None or probe.checks:
-                passed = bool(probe.checks) and all(c.passed for c in probe.checks)
+            miner_ahead = _as_int((probe.status or {}).get("epoch"), -1) > self.epoch
+            if probe.checks or (probe.status is not None and not miner_ahead):
+                # A reachable miner that did not answer the Train challenge (or answered out of
+                # sync) gets an empty check: gated to 0, not "not measured".
+                passed = bool(probe.checks) and all(c.passed for c in probe.checks) and not probe.shared_peer_id
                 verified = int(self._weight_cap()) if passed else 0
                 claimed = claimed_by_peer.get(probe.peer_id)
                 if claimed is None:
-                    claimed = float((probe.train or {}).get("samples_total", 0) or 0)
-                train = TrainCheck(checks=list(probe.checks), claimed_samples=int(min(claimed, 2**62)),
+                    claimed = _as_float((probe.train or {}).get("samples_total"), 0.0)
+                checks = list(probe.checks) if not probe.shared_peer_id else []
+                train = TrainCheck(checks=checks, claimed_samples=int(min(max(claimed, 0.0), 2**62)),
                                    verified_samples=verified)
             inputs[probe.uid] = MinerRoundInput(train=train,
                                                 allreduce=AllReduceObservation(outcome.value, throughput),
@@ -428,6 +506,9 @@ class Validator(NeuronBase):
                 losses.append(float(microbatch_loss(self.bench.model, x_all[start:start + mbs],
                                                     self.trainer.precision)))
         loss = sum(losses) / len(losses)
+        if not math.isfinite(loss):
+            raise NeuronError("the validator's model produced a non-finite loss; its replica is corrupt "
+                              f"(delete {self.dir / 'checkpoints'} to resynchronise from peers)")
         self.tel.train_metrics(loss=loss, tokens_per_s=0.0, lr=self.trainer.lr, epoch=self.epoch,
                                inner_step=self.trainer.counters.inner_step)
         return loss
@@ -448,3 +529,15 @@ class Validator(NeuronBase):
 
         # After a restart the miner table shows the persisted scores straight away.
         self._update_miner_table(compute_weights(self.state.ema.scores))
+
+
+def _as_int(value, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _as_float(value, default: float) -> float:
+    """A number a miner reported, or ``default``: its answers are untrusted input."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    value = float(value)
+    return value if math.isfinite(value) else default

@@ -213,12 +213,14 @@ class Sandbox:
         raise SandboxError(f"the validator did not finish {self.options.rounds} rounds in time; see {validator.log}")
 
     def stop_all(self) -> None:
-        """SIGINT everyone (clean shutdown), then kill whatever is left, group and all."""
+        """SIGINT every neuron (clean shutdown), then kill whatever is left, group and all."""
         self._stopping.set()
         for child in self.children:
             if child.process.poll() is None:
                 try:
-                    os.killpg(child.process.pid, signal.SIGINT)
+                    # Only the neuron itself: it shuts its DHT and p2pd down in order. Signalling
+                    # the whole group would kill p2pd under a neuron that is still leaving the DHT.
+                    os.kill(child.process.pid, signal.SIGINT)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + GRACE_S

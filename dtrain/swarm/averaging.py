@@ -692,6 +692,11 @@ class GradientSwarm:
         except Exception:
             return {p: False for p in peer_ids}
 
+    def set_state_priority(self, priority: float) -> None:
+        """Peers catching up download from the highest priority; neurons use their epoch."""
+        if self._averager is not None:
+            self._averager.state_sharing_priority = float(priority)
+
     def load_state_from_peers(self, timeout_s: Optional[float] = 30.0):
         """Download ``(metadata, tensors)`` from a peer that shares state (None if nobody answered)."""
         return self._averager.load_state_from_peers(timeout=timeout_s)
