@@ -101,3 +101,83 @@ def test_discovery_keeps_only_addresses_of_the_committed_peer(monkeypatch):
     monkeypatch.setattr(discovery, "_status", lambda api, timeout: docs.get(api))
     assert discovery.peer_maddrs([honest]) == ["/ip4/127.0.0.1/tcp/5/p2p/" + honest.peer_id]
     assert discovery.peer_maddrs([honest], exclude_peer=honest.peer_id) == []
+
+
+def test_state_slice_wraps_and_matches_the_flat_parameters():
+    from dtrain.neurons.sync import state_slice
+
+    trainer = _trainer(0)
+    flat = trainer.flat_parameters().numpy().tobytes()
+    assert state_slice(trainer, 0, 64) == flat[:64]
+    assert state_slice(trainer, 10, 7) == flat[10:17]  # not aligned to a float
+    tail = len(flat) - 5
+    assert state_slice(trainer, tail, 12) == flat[tail:] + flat[:7]  # wraps around
+    assert state_slice(trainer, len(flat) + 3, 4) == flat[3:7]  # offsets are taken modulo the size
+    assert len(state_slice(trainer, 0, 3 * len(flat))) == 3 * len(flat)
+
+
+class _PeerWithState:
+    """Stands in for the hivemind swarm: hands out whatever state a peer would serve."""
+
+    def __init__(self, meta, tensors):
+        self.loaded = (meta, tensors)
+
+    def load_state_from_peers(self, timeout_s=None):
+        return self.loaded
+
+    def set_state_priority(self, priority):
+        self.priority = priority
+
+
+def _neuron(trainer):
+    import threading
+
+    from dtrain.config import Config
+    from dtrain.neurons.base import NeuronBase
+    from dtrain.telemetry import Telemetry
+
+    neuron = NeuronBase(Config(), Telemetry("miner"), threading.Event())
+    neuron.trainer = trainer
+    neuron._refresh_digest()
+    return neuron
+
+
+def test_catch_up_keeps_a_state_that_matches_and_refuses_one_that_does_not():
+    from dtrain.neurons.runtime import params_digest
+    from dtrain.neurons.sync import export_state
+
+    swarm_state = _trainer(0)
+    x = torch.randint(0, 300, (4, 32))
+    swarm_state.train_step(x)
+    good_meta, good_tensors = export_state(swarm_state, epoch=1)
+    good_digest = params_digest(swarm_state)
+
+    poisoned = _trainer(0)
+    with torch.no_grad():
+        poisoned.params[0].mul_(100.0)
+    bad_meta, bad_tensors = export_state(poisoned, epoch=1)
+
+    lagging = _neuron(_trainer(0))
+    own_digest = lagging._digest
+    lagging.swarm = _PeerWithState(bad_meta, [t.clone() for t in bad_tensors])
+    assert lagging._catch_up(epoch=1, digest=good_digest) is False
+    assert lagging.epoch == 0 and params_digest(lagging.trainer) == own_digest  # own state put back
+
+    lagging.swarm = _PeerWithState(good_meta, [t.clone() for t in good_tensors])
+    assert lagging._catch_up(epoch=1, digest=good_digest) is True
+    assert lagging.epoch == 1 and lagging._digest == good_digest
+    assert lagging.swarm.priority == 1
+
+
+def test_catch_up_never_goes_back_to_an_older_state():
+    from dtrain.neurons.runtime import params_digest
+    from dtrain.neurons.sync import export_state
+
+    old = _trainer(0)
+    meta, tensors = export_state(old, epoch=2)
+    ahead = _neuron(_trainer(0))
+    ahead.epoch = 5
+    before = params_digest(ahead.trainer)
+    ahead.swarm = _PeerWithState(meta, [t.clone() for t in tensors])
+    assert ahead._catch_up() is False
+    assert ahead.epoch == 5 and params_digest(ahead.trainer) == before
