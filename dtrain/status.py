@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,14 +23,54 @@ log = logging.getLogger("dtrain.status")
 
 
 def _miner_status(api: str, timeout: float) -> dict | None:
-    from dtrain.api.client import base_url
+    """A miner's public status, or None. The miner is untrusted: the client bounds
+    the call's total time and size and rejects NaN/Infinity and garbage as ApiError;
+    anything else it might raise is caught too, so one miner never sinks the report."""
+    from dtrain.api.client import MinerClient
 
     try:
-        with urllib.request.urlopen(base_url(api) + "/v1/status", timeout=timeout) as response:
-            doc = json.loads(response.read(1 << 20))
-        return doc if isinstance(doc, dict) else None
+        return MinerClient(None, timeout=timeout).status(api)
     except Exception:
         return None
+
+
+def _epoch(value: Any) -> int | None:
+    """A non-negative int (bool is an int to Python, but not an epoch)."""
+    return value if type(value) is int and value >= 0 else None
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _finite(value: Any) -> float | None:
+    if type(value) not in (int, float):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int too big for a float
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _miner_fields(st: Any) -> dict[str, Any]:
+    """The fields ``dtrain status`` uses from a miner's (untrusted) status, coerced."""
+    st = st if isinstance(st, dict) else {}
+    return {"epoch": _epoch(st.get("epoch")), "loss": _finite(st.get("loss")),
+            "samples": _count(st.get("samples")),
+            "samples_accumulated": _count(st.get("samples_accumulated")) or 0}
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN/±inf float (at any depth) replaced by None, so the doc
+    is strict JSON and renderers never meet a non-finite number."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
 
 
 def _local_dirs(cfg: Config) -> list[Path]:
@@ -49,13 +89,20 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+def _dicts(value: Any) -> list[dict]:
+    """The dict items of ``value`` if it is a list (a hand-edited or half-written
+    state file must not crash the report)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
 def _round_view(summary: dict) -> dict:
     """A validator's round summary in the round-record shape the dashboards draw."""
     return {
         "round": summary.get("round"), "round_id": summary.get("round_id"), "epoch": summary.get("epoch"),
         "status": summary.get("status"), "duration_s": summary.get("duration_s"),
         "group": summary.get("participants", []), "participants": summary.get("participants", []),
-        "peers": [{"peer_id": f"uid {m.get('uid')}", "outcome": m.get("outcome")} for m in summary.get("miners", [])],
+        "peers": [{"peer_id": f"uid {m.get('uid')}", "outcome": m.get("outcome")}
+                  for m in _dicts(summary.get("miners"))],
         "bytes_sent": summary.get("bytes", 0), "bytes_received": 0,
         "fraction_averaged": summary.get("fraction_averaged"), "loss_after": summary.get("loss_after"),
         "error": summary.get("error", ""), "time": summary.get("time"),
@@ -63,6 +110,11 @@ def _round_view(summary: dict) -> dict:
 
 
 def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]:
+    """The report; never carries NaN/inf (they become None), whatever miners sent."""
+    return finite_or_none(_collect(cfg, probe_timeout))
+
+
+def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
     from dtrain.chain.base import ChainError
 
     doc: dict[str, Any] = {"network": cfg.chain.network, "netuid": cfg.chain.netuid, "block": None,
@@ -74,9 +126,15 @@ def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]
     for d in local_dirs:
         for path in sorted(d.glob("validator-*/state.json")):
             validator_state = _read_json(path) or validator_state
-    scores = {int(k): v for k, v in (validator_state or {}).get("ema", {}).items()}
+    ema = (validator_state or {}).get("ema")
+    scores: dict[int, float | None] = {}
+    for key, value in (ema.items() if isinstance(ema, dict) else ()):
+        try:
+            scores[int(key)] = _finite(value)
+        except (TypeError, ValueError):
+            continue
     if validator_state:
-        doc["rounds"] = [_round_view(r) for r in validator_state.get("recent_rounds", [])[-10:]]
+        doc["rounds"] = [_round_view(r) for r in _dicts(validator_state.get("recent_rounds"))[-10:]]
     snapshots = []
     for d in local_dirs:
         for path in sorted(d.glob("*/status.json")):
@@ -84,7 +142,7 @@ def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]
             if snap:
                 snapshots.append(snap)
     if snapshots:
-        doc["local"] = max(snapshots, key=lambda s: s.get("started_at", 0))
+        doc["local"] = max(snapshots, key=lambda s: _finite(s.get("started_at")) or 0.0)
         doc["local_nodes"] = [{k: s.get(k) for k in ("role", "uid", "hotkey", "state", "epoch", "loss", "peers_seen",
                                                       "api", "peer_id")} for s in snapshots]
 
@@ -116,12 +174,15 @@ def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]
     miners = [n for n in neurons if not n.validator_permit]
     apis = {n.uid: commitments[n.hotkey].api for n in miners if n.hotkey in commitments}
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(apis)))) as pool:
-        live = dict(zip(apis, pool.map(lambda api: _miner_status(api, probe_timeout), apis.values())))
+        raw = dict(zip(apis, pool.map(lambda api: _miner_status(api, probe_timeout), apis.values())))
+    # Untrusted from here on only through the coerced fields: a miner answering
+    # {"epoch": "x", "loss": 1e999} shows as unknown, it does not crash the report.
+    live = {uid: None if st is None else _miner_fields(st) for uid, st in raw.items()}
     # A miner that is down still left its last snapshot on this machine (e.g. a finished sandbox).
     offline = {snap.get("hotkey"): snap for snap in snapshots if snap.get("role") == "miner"}
     for n in miners:
         c = commitments.get(n.hotkey)
-        st = live.get(n.uid) or {k: offline.get(n.hotkey, {}).get(k) for k in ("epoch", "loss", "samples")}
+        st = live[n.uid] if raw.get(n.uid) else _miner_fields(offline.get(n.hotkey))
         doc["miners"].append({
             "uid": n.uid, "hotkey": n.hotkey, "api": c.api if c else None, "peer_id": c.peer_id if c else None,
             "repo": c.repo if c else None, "stake": n.stake, "epoch": st.get("epoch"), "loss": st.get("loss"),
@@ -133,6 +194,6 @@ def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]
     epochs = [m["epoch"] for m in doc["miners"] if isinstance(m["epoch"], int)]
     if epochs:
         doc["global"]["epoch"] = max(epochs)
-        doc["global"]["samples"] = sum(int((live.get(m["uid"]) or {}).get("samples_accumulated") or 0)
+        doc["global"]["samples"] = sum((live.get(m["uid"]) or {}).get("samples_accumulated", 0)
                                        for m in doc["miners"] if m["epoch"] == max(epochs))
     return doc

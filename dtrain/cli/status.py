@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Callable
 
 import typer
 
 from dtrain.cli.common import ConfigOpt, JsonOpt, NetuidOpt, NetworkOpt, SandboxDirOpt, chain_overrides, cli_errors, load
+
+
+def poll_once(cfg: Any, last: dict, collect: Callable[[Any], dict]) -> dict:
+    """One --watch refresh. The poll thread must outlive any failure (a chain that
+    errors in a new way, a bug tripped by one odd miner): a dead thread would freeze
+    the dashboard on stale data with no sign of why. So on error the last good doc
+    stays on screen, marked with the error, and the next interval tries again."""
+    try:
+        doc = collect(cfg)
+    except Exception as exc:  # noqa: BLE001 - anything at all: see above
+        doc = dict(last)
+        doc["poll_error"] = f"{type(exc).__name__}: {exc}"
+    return doc
+
+
+def poll_loop(cfg: Any, latest: dict, stop: Any, interval: float, collect: Callable[[Any], dict]) -> None:
+    """The --watch poll thread: refresh ``latest["doc"]`` every ``interval`` until ``stop``."""
+    while not stop.wait(interval):
+        latest["doc"] = poll_once(cfg, latest["doc"], collect)
 
 
 @cli_errors
@@ -44,11 +63,8 @@ def status(
     latest = {"doc": collect_status(cfg)}
     stop = threading.Event()
 
-    def poll() -> None:
-        while not stop.wait(interval):
-            latest["doc"] = collect_status(cfg)
-
-    threading.Thread(target=poll, daemon=True, name="status-poll").start()
+    threading.Thread(target=poll_loop, args=(cfg, latest, stop, interval, collect_status),
+                     daemon=True, name="status-poll").start()
     try:
         with LiveDashboard(lambda: latest["doc"], console=console, refresh_hz=2.0, render=render_status):
             while True:
