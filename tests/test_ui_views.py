@@ -155,3 +155,15 @@ def test_benchmark_table_without_link_speed():
     text = text_of(benchmark_table([{"peers": 2, "size_mb": 1, "seconds": 0.5, "max_abs_error": None}]))
     assert "no link speed" in text
     assert "no results" in text_of(benchmark_table([]))
+
+
+def test_status_view_says_when_a_watch_refresh_failed():
+    from rich.console import Console
+
+    from dtrain.ui.status_view import render_status
+
+    console = Console(record=True, width=100)
+    console.print(render_status({"network": "finney", "netuid": 38, "miners": [], "validators": [], "rounds": [],
+                                 "poll_error": "ChainUnavailable: timed out"}))
+    text = console.export_text()
+    assert "showing the last good data" in text and "ChainUnavailable: timed out" in text

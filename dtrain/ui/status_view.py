@@ -85,6 +85,9 @@ def render_status(doc: Mapping[str, Any], now: float | None = None) -> Renderabl
     if doc.get("chain_error"):
         parts.append(Panel(Text(str(doc["chain_error"]), style="red"), title="chain unreachable",
                            title_align="left", border_style="red"))
+    if doc.get("poll_error"):
+        # --watch keeps the last good picture on screen; say that it is stale and why.
+        parts.append(Text(f"refresh failed, showing the last good data: {doc['poll_error']}", style="yellow"))
     parts.append(_header(doc))
     parts.append(miners_status_table(list(doc.get("miners") or [])))
     parts.append(validators_status_table(list(doc.get("validators") or [])))
