@@ -17,9 +17,6 @@ comparable with B (NCCL's convention), ``algbw = D / seconds``.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -60,95 +57,84 @@ def run_local(
     progress: ProgressFn = None,
 ) -> dict:
     """Average ``size_mb`` MiB of float32 across ``peers`` loopback peers; compare with the exact mean."""
-    from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
-    from dtrain.swarm.node import NodeConfig, SwarmNode
+    from dtrain.swarm.testing import local_nodes
 
     if peers < 2:
         raise ValueError("need at least 2 peers")
     numel = max(int(size_mb * MIB / 4), 1)
-    tmp = tempfile.mkdtemp(prefix="dtrain-bw-")
-    nodes: list = []
     swarms: list = []
-    try:
-        _notify(progress, "starting peers", 0.0)
-        loop = ["/ip4/127.0.0.1/tcp/0"]
-        local_only = dict(nat_port_map=False)  # loopback peers: never probe the LAN gateway
-        first = SwarmNode(
-            NodeConfig(data_dir=os.path.join(tmp, "p0"), host_maddrs=loop, extra_dht_kwargs=dict(local_only))
-        ).start()
-        nodes.append(first)
-        boot = first.visible_maddrs()
-        for i in range(1, peers):
-            nodes.append(
-                SwarmNode(
-                    NodeConfig(data_dir=os.path.join(tmp, f"p{i}"), host_maddrs=loop, initial_peers=boot,
-                               extra_dht_kwargs=dict(local_only))
-                ).start()
-            )
-            _notify(progress, "starting peers", i / peers * 0.3)
-        data = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(peers)]
-        exact = torch.stack([d.double() for d in data]).mean(0)
-        cfg = AveragingConfig(
-            prefix="dtrain_bw_local",
-            min_group_size=peers,
-            target_group_size=peers,
-            min_matchmaking_time_s=3.0,
-            request_timeout_s=1.0,
-            matchmaking_timeout_s=timeout_s,
-            allreduce_timeout_s=timeout_s,
-            sender_timeout_s=timeout_s / 2,
-            compression=compression,
-            part_size_bytes=part_size_bytes,
-            allow_state_sharing=False,
-        )
-        fp = f"bandwidth-local-{numel}"
-        for i, node in enumerate(nodes):
-            swarms.append(GradientSwarm(node.dht, [data[i]], fp, cfg))
-            _notify(progress, "starting averagers", 0.3 + (i + 1) / peers * 0.3)
-        records: list = [None] * peers
-        outputs = [d.clone() for d in data]
+    _notify(progress, "starting peers", 0.0)
+    with local_nodes(peers, on_started=lambda i: _notify(progress, "starting peers", (i + 1) / peers * 0.3)) as nodes:
+        try:
+            return _average_locally(nodes, swarms, numel, seed, compression, timeout_s, part_size_bytes, progress)
+        finally:
+            for s in swarms:
+                s.shutdown()
 
-        def one(i: int) -> None:
-            records[i] = swarms[i].run_round([outputs[i]], weight=1.0, cap=1.0)
 
-        _notify(progress, "all-reduce", 0.6)
-        t0 = time.monotonic()
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(peers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout_s + 30)
-        wall = time.monotonic() - t0
-        _notify(progress, "checking", 0.95)
-        errors = [r.error for r in records if r is None or r.error] if all(records) else ["a peer did not finish"]
-        seconds = max((r.allreduce_s for r in records if r is not None), default=0.0)
-        max_err = max(float((o.double() - exact).abs().max()) for o in outputs)
-        size_bytes = numel * 4
-        result = dict(
-            mode="local",
-            peers=peers,
-            size_mb=size_bytes / MIB,
-            size_bytes=size_bytes,
-            compression=compression,
-            seconds=seconds,
-            wall_seconds_incl_matchmaking=wall,
-            algbw_mb_s=(size_bytes / MIB) / seconds if seconds > 0 else 0.0,
-            busbw_mb_s=(size_bytes / MIB) * _bus_factor(peers) / seconds if seconds > 0 else 0.0,
-            max_abs_error=max_err,
-            fraction_averaged=min((r.fraction_averaged for r in records if r is not None), default=0.0),
-            bytes_sent=[r.bytes_sent for r in records if r is not None],
-            bytes_received=[r.bytes_received for r in records if r is not None],
-            ok=not errors and max_err <= (1e-5 if compression == "none" else float("inf")),
-            errors=errors,
-        )
-        _notify(progress, "done", 1.0)
-        return result
-    finally:
-        for s in swarms:
-            s.shutdown()
-        for n in nodes:
-            n.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+def _average_locally(nodes, swarms: list, numel: int, seed: int, compression: str, timeout_s: float,
+                     part_size_bytes: int, progress: ProgressFn) -> dict:
+    """One timed round among already-started loopback ``nodes``; averagers go into ``swarms``."""
+    from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+
+    peers = len(nodes)
+    data = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(peers)]
+    exact = torch.stack([d.double() for d in data]).mean(0)
+    cfg = AveragingConfig(
+        prefix="dtrain_bw_local",
+        min_group_size=peers,
+        target_group_size=peers,
+        min_matchmaking_time_s=3.0,
+        request_timeout_s=1.0,
+        matchmaking_timeout_s=timeout_s,
+        allreduce_timeout_s=timeout_s,
+        sender_timeout_s=timeout_s / 2,
+        compression=compression,
+        part_size_bytes=part_size_bytes,
+        allow_state_sharing=False,
+    )
+    fp = f"bandwidth-local-{numel}"
+    for i, node in enumerate(nodes):
+        swarms.append(GradientSwarm(node.dht, [data[i]], fp, cfg))
+        _notify(progress, "starting averagers", 0.3 + (i + 1) / peers * 0.3)
+    records: list = [None] * peers
+    outputs = [d.clone() for d in data]
+
+    def one(i: int) -> None:
+        records[i] = swarms[i].run_round([outputs[i]], weight=1.0, cap=1.0)
+
+    _notify(progress, "all-reduce", 0.6)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    wall = time.monotonic() - t0
+    _notify(progress, "checking", 0.95)
+    errors = [r.error for r in records if r is None or r.error] if all(records) else ["a peer did not finish"]
+    seconds = max((r.allreduce_s for r in records if r is not None), default=0.0)
+    max_err = max(float((o.double() - exact).abs().max()) for o in outputs)
+    size_bytes = numel * 4
+    result = dict(
+        mode="local",
+        peers=peers,
+        size_mb=size_bytes / MIB,
+        size_bytes=size_bytes,
+        compression=compression,
+        seconds=seconds,
+        wall_seconds_incl_matchmaking=wall,
+        algbw_mb_s=(size_bytes / MIB) / seconds if seconds > 0 else 0.0,
+        busbw_mb_s=(size_bytes / MIB) * _bus_factor(peers) / seconds if seconds > 0 else 0.0,
+        max_abs_error=max_err,
+        fraction_averaged=min((r.fraction_averaged for r in records if r is not None), default=0.0),
+        bytes_sent=[r.bytes_sent for r in records if r is not None],
+        bytes_received=[r.bytes_received for r in records if r is not None],
+        ok=not errors and max_err <= (1e-5 if compression == "none" else float("inf")),
+        errors=errors,
+    )
+    _notify(progress, "done", 1.0)
+    return result
 
 
 async def _ping_known(timeout: float, _dht, node) -> dict:

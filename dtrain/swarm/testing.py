@@ -23,8 +23,12 @@ LOCAL_ONLY = dict(nat_port_map=False)
 
 
 @contextlib.contextmanager
-def local_nodes(n: int, root: Optional[str] = None) -> Iterator[list[SwarmNode]]:
-    """Start ``n`` DHT nodes on loopback, the first being the bootstrap of the rest; always shut down."""
+def local_nodes(n: int, root: Optional[str] = None,
+                on_started: Optional[Callable[[int], None]] = None) -> Iterator[list[SwarmNode]]:
+    """Start ``n`` DHT nodes on loopback, the first being the bootstrap of the rest; always shut down.
+
+    ``on_started(i)`` is called after node ``i`` is up (progress displays).
+    """
     tmp = root or tempfile.mkdtemp(prefix="dtrain-swarm-")
     nodes: list[SwarmNode] = []
     try:
@@ -32,6 +36,8 @@ def local_nodes(n: int, root: Optional[str] = None) -> Iterator[list[SwarmNode]]
             NodeConfig(data_dir=os.path.join(tmp, "n0"), host_maddrs=LOOPBACK, extra_dht_kwargs=dict(LOCAL_ONLY))
         ).start()
         nodes.append(first)
+        if on_started is not None:
+            on_started(0)
         boot = first.visible_maddrs()
         for i in range(1, n):
             nodes.append(
@@ -40,6 +46,8 @@ def local_nodes(n: int, root: Optional[str] = None) -> Iterator[list[SwarmNode]]
                                extra_dht_kwargs=dict(LOCAL_ONLY))
                 ).start()
             )
+            if on_started is not None:
+                on_started(i)
         yield nodes
     finally:
         for node in nodes:
