@@ -86,6 +86,9 @@ def test_compressed_round_is_identical_on_all_peers(compression):
         prefix=f"comp{compression}", min_group_size=3, target_group_size=3, min_matchmaking_time_s=1.5,
         request_timeout_s=0.5, compression=compression, part_size_bytes=8192, allow_state_sharing=False,
         bandwidth=10.0,  # a bandwidth makes hivemind solve the load-balancing LP (shimmed)
+        # The first 8-bit round in a process is slow (quantizer set-up) and CI machines are busy:
+        # generous timeouts keep this a test of the numerics, not of the machine's speed.
+        sender_timeout_s=30.0, allreduce_timeout_s=120.0,
     )
     with local_nodes(3) as nodes, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -96,7 +99,7 @@ def test_compressed_round_is_identical_on_all_peers(compression):
             for s in swarms:
                 s.shutdown()
     for r in recs:
-        assert not r.error and r.fraction_averaged == 1.0
+        assert not r.error and r.fraction_averaged == 1.0, [(p.outcome.value, p.reason) for p in r.peers]
     assert torch.equal(data[0][0], data[1][0]) and torch.equal(data[1][0], data[2][0])
     tol = 0.1 if compression == "8bit" else 1e-2
     assert float((data[0][0] - exact).abs().mean()) < tol
