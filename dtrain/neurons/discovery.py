@@ -8,9 +8,7 @@ miner cannot point others at somebody else's node.
 
 from __future__ import annotations
 
-import json
 import logging
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -18,13 +16,12 @@ log = logging.getLogger("dtrain.discovery")
 
 
 def _status(api: str, timeout: float) -> dict | None:
-    from dtrain.api.client import base_url
+    from dtrain.api.client import ApiError, MinerClient
 
     try:
-        with urllib.request.urlopen(base_url(api) + "/v1/status", timeout=timeout) as response:
-            doc = json.loads(response.read(1 << 20))
-        return doc if isinstance(doc, dict) else None
-    except Exception as exc:  # unreachable or malformed: this miner simply does not help bootstrap
+        # The validator's hardened client: a total deadline, size caps, strict JSON.
+        return MinerClient(None, timeout=timeout).status(api)
+    except ApiError as exc:  # unreachable or malformed: this miner simply does not help bootstrap
         log.debug("status of %s failed: %r", api, exc)
         return None
 

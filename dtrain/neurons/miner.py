@@ -88,6 +88,8 @@ class Miner(NeuronBase):
         try:
             # Anything that fails from here on still tears down what was started.
             self._start_swarm(self._commitments())
+            # Read once: /v1/status is public, and each read would be a round trip to the DHT process.
+            self._maddrs = self.node.visible_maddrs()
             self._start_progress()
             self._start_api()
             self._commit()
@@ -270,7 +272,7 @@ class Miner(NeuronBase):
             "samples": self.trainer.counters.samples, "samples_accumulated": self.trainer.accumulated_samples,
             "inner_step": self.trainer.counters.inner_step, "model_fingerprint": self.bench.fingerprint,
             "params_digest": self._digest, "peer_id": self.node.peer_id,
-            "maddrs": self.node.visible_maddrs(), "loss": snap.loss, "state": snap.state,
+            "maddrs": self._maddrs, "loss": snap.loss, "state": snap.state,
         }
 
     def _train(self, body: dict, caller: str) -> dict:
