@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 
 import pytest
 
+from dtrain.swarm.records import Outcome
 from dtrain.validation.scoring import (
     GATE_INFLATED_CLAIM,
     GATE_NO_CHECKS,
     GATE_NO_PARTICIPATION,
     GATE_VERIFY_FAILED,
     GATE_WRONG_MODEL,
-    AllReduceObservation,
     EmaState,
     MicroBatchCheck,
     MinerRoundInput,
-    RoundStatus,
     ScoringConfig,
     TrainCheck,
     check_from_comparison,
@@ -107,15 +105,11 @@ def test_config_validation():
         ScoringConfig(ema_alpha=0)
 
 
-def test_status_coercion_accepts_foreign_enum_and_strings():
-    class Other(enum.Enum):
-        SUCCESS = 1
-        WRONG_MODEL = 2
-
-    assert RoundStatus.coerce("success") is RoundStatus.SUCCESS
-    assert RoundStatus.coerce(Other.WRONG_MODEL) is RoundStatus.WRONG_MODEL
-    with pytest.raises(ValueError, match="unknown all-reduce status"):
-        RoundStatus.coerce("MAYBE")
+def test_outcomes_are_the_swarms_and_strings_are_read_as_them():
+    assert Outcome.parse("success") is Outcome.SUCCESS
+    assert MinerRoundInput(outcome="wrong_model").outcome is Outcome.WRONG_MODEL
+    with pytest.raises(ValueError, match="unknown round outcome 'MAYBE'; expected one of SUCCESS, FAIL"):
+        MinerRoundInput(outcome="MAYBE")
 
 
 # ---------------------------------------------------------------- gates
@@ -124,7 +118,7 @@ def test_status_coercion_accepts_foreign_enum_and_strings():
 def _honest(samples=1000, bps=1e7):
     return MinerRoundInput(
         train=train(samples=samples),
-        allreduce=AllReduceObservation(RoundStatus.SUCCESS, bps),
+        outcome=Outcome.SUCCESS,
         state_slice_bps=bps,
     )
 
@@ -132,13 +126,13 @@ def _honest(samples=1000, bps=1e7):
 def test_gates():
     inputs = {
         0: _honest(),
-        1: MinerRoundInput(train=train(n_bad=1), allreduce=AllReduceObservation("SUCCESS", 1e8), state_slice_bps=1e8),
-        2: MinerRoundInput(train=train(), allreduce=AllReduceObservation("WRONG_MODEL", 1e7), state_slice_bps=1e7),
-        3: MinerRoundInput(train=train(), allreduce=AllReduceObservation("NON_PARTICIPATING"), state_slice_bps=1e7),
-        4: MinerRoundInput(train=train(claimed=100_000), allreduce=AllReduceObservation("SUCCESS", 1e7)),
-        5: MinerRoundInput(train=TrainCheck([], 0, 0), allreduce=AllReduceObservation("SUCCESS", 1e8)),
-        6: MinerRoundInput(allreduce=AllReduceObservation("NOT_ALIVE")),
-        7: MinerRoundInput(allreduce=AllReduceObservation("SUCCESS", 1e7), state_slice_bps=1e7),
+        1: MinerRoundInput(train=train(n_bad=1), outcome="SUCCESS", state_slice_bps=1e8),
+        2: MinerRoundInput(train=train(), outcome="WRONG_MODEL", state_slice_bps=1e7),
+        3: MinerRoundInput(train=train(), outcome="NON_PARTICIPATING", state_slice_bps=1e7),
+        4: MinerRoundInput(train=train(claimed=100_000), outcome="SUCCESS"),
+        5: MinerRoundInput(train=TrainCheck([], 0, 0), outcome="SUCCESS"),
+        6: MinerRoundInput(outcome="NOT_ALIVE"),
+        7: MinerRoundInput(outcome="SUCCESS", state_slice_bps=1e7),
     }
     s = score_round(inputs)
     assert s[0].combined > 0.9 and s[0].gated == ()
@@ -155,9 +149,14 @@ def test_gates():
     assert s[0].steps == 1.0
 
 
-def test_failed_allreduce_zeroes_its_throughput():
-    s = score_round({0: MinerRoundInput(train=train(), allreduce=AllReduceObservation("FAIL", 1e9))})
-    assert s[0].bandwidth == 0.0
+def test_bandwidth_is_the_timed_state_slice_alone():
+    s = score_round({
+        0: MinerRoundInput(train=train(), outcome="SUCCESS", state_slice_bps=1e7),
+        1: MinerRoundInput(train=train(), outcome="SUCCESS", state_slice_bps=1e6),
+        2: MinerRoundInput(train=train(), outcome="SUCCESS"),  # not measured: left out, not 0
+    })
+    assert s[0].bandwidth == 1.0 and s[1].bandwidth == pytest.approx(math.log(8) / math.log(80))  # floor 1 Mbit/s
+    assert s[2].bandwidth is None and s[2].combined == pytest.approx(combine(s[2].gradient, s[2].steps, None, 1.0))
 
 
 def test_claim_within_tolerance_is_fine():
@@ -212,12 +211,17 @@ def test_compute_weights_normalises_and_excludes_non_miners():
     assert w[0] == pytest.approx(0.5) and w[3] == 0.0 and 9 not in w
 
 
-def test_compute_weights_top_k_and_min_weight():
-    scores = {0: 0.5, 1: 0.4, 2: 0.3, 3: 0.01}
-    w = compute_weights(scores, top_k=2)
-    assert w[2] == 0 and w[3] == 0 and w[0] + w[1] == pytest.approx(1.0)
-    w = compute_weights(scores, min_weight=0.05)
-    assert w[3] == 0 and sum(w.values()) == pytest.approx(1.0)
+@pytest.mark.parametrize("scores", [
+    {0: 1e308, 1: 1e308, 2: 5e307},  # the plain sum overflows to inf
+    {0: 5e-324, 1: 5e-324},  # the smallest subnormals
+    {0: 1e308, 1: 5e-324, 2: 1.0},
+])
+def test_compute_weights_is_total_for_any_finite_scores(scores):
+    w = compute_weights(scores)
+    assert sum(w.values()) == pytest.approx(1.0)
+    assert all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in w.values())
+    top = max(scores, key=scores.get)
+    assert w[top] == max(w.values()) > 0
 
 
 def test_compute_weights_nothing_positive():
@@ -281,34 +285,34 @@ def _adversary_input(kind: str, rng: random.Random) -> MinerRoundInput:
         checks = [MicroBatchCheck(True, 0.99, 0.0)] * 3 + [MicroBatchCheck(False, 0.02, 0.8)]
         return MinerRoundInput(
             TrainCheck(checks, claimed_samples=4000, verified_samples=4000),
-            AllReduceObservation("SUCCESS", fast),
+            "SUCCESS",
             fast,
         )
     if kind == "wrong-model":
         return MinerRoundInput(
-            TrainCheck([OK] * 4, 3000, 3000), AllReduceObservation("WRONG_MODEL", fast), fast
+            TrainCheck([OK] * 4, 3000, 3000), "WRONG_MODEL", fast
         )
     if kind == "copycat":
         # Replays another miner's fingerprints: they do not match its own assigned pages.
         checks = [MicroBatchCheck(False, rng.uniform(-0.1, 0.3), rng.uniform(0.05, 0.5)) for _ in range(4)]
-        return MinerRoundInput(TrainCheck(checks, 3000, 3000), AllReduceObservation("SUCCESS", fast), fast)
+        return MinerRoundInput(TrainCheck(checks, 3000, 3000), "SUCCESS", fast)
     if kind == "freeloader":
         # Trains honestly (or pretends well) but never contributes to averaging.
         return MinerRoundInput(
-            TrainCheck([OK] * 4, 3000, 3000), AllReduceObservation("NON_PARTICIPATING", None), fast
+            TrainCheck([OK] * 4, 3000, 3000), "NON_PARTICIPATING", fast
         )
     if kind == "inflated-weight":
         # Real work, but claims 50x the samples to dominate the average.
         return MinerRoundInput(
             TrainCheck([OK] * 4, claimed_samples=150_000, verified_samples=3000),
-            AllReduceObservation("SUCCESS", fast),
+            "SUCCESS",
             fast,
         )
     if kind == "poisoner":
         # Sends out-of-scale contributions: rejected in the round, and its reported
         # gradients disagree with recomputation.
         checks = [MicroBatchCheck(False, rng.uniform(-1, 0), 10.0) for _ in range(4)]
-        return MinerRoundInput(TrainCheck(checks, 3000, 3000), AllReduceObservation("FAIL", fast), fast)
+        return MinerRoundInput(TrainCheck(checks, 3000, 3000), "FAIL", fast)
     raise AssertionError(kind)
 
 
@@ -332,7 +336,7 @@ def _simulate(rounds: int, seed: int, n_honest: int = 5):
             n = int(samples * jitter)
             inputs[uid] = MinerRoundInput(
                 TrainCheck(checks, claimed_samples=n, verified_samples=n),
-                AllReduceObservation(status, bps * jitter),
+                status,
                 bps * rng.uniform(0.8, 1.2),
             )
         for uid, kind in adv_uids.items():

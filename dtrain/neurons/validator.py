@@ -390,8 +390,7 @@ class Validator(NeuronBase):
     def _score(self, probes: list[Probe], record, neurons) -> dict:
         from dtrain.swarm.records import Outcome
         from dtrain.validation.scoring import (
-            AllReduceObservation, MinerRoundInput, ScoringConfig, TrainCheck, combined_scores, score_round,
-            update_ema,
+            MinerRoundInput, ScoringConfig, TrainCheck, combined_scores, score_round, update_ema,
         )
 
         v = self.cfg.validator
@@ -406,7 +405,6 @@ class Validator(NeuronBase):
             probe.outcome = outcome.value
             # The all-reduce figures in a miner's reply are its own claims, so bandwidth is
             # scored on the state slice this validator timed (and checked) itself.
-            throughput = None
             train = None
             miner_ahead = _as_int((probe.status or {}).get("epoch"), -1) > self.epoch
             if probe.checks or (probe.status is not None and not miner_ahead):
@@ -420,9 +418,7 @@ class Validator(NeuronBase):
                 checks = list(probe.checks) if not probe.shared_peer_id else []
                 train = TrainCheck(checks=checks, claimed_samples=int(min(max(claimed, 0.0), 2**62)),
                                    verified_samples=verified)
-            inputs[probe.uid] = MinerRoundInput(train=train,
-                                                allreduce=AllReduceObservation(outcome.value, throughput),
-                                                state_slice_bps=probe.slice_bps)
+            inputs[probe.uid] = MinerRoundInput(train=train, outcome=outcome, state_slice_bps=probe.slice_bps)
         scores = score_round(inputs, scfg)
         hotkeys = {n.uid: n.hotkey for n in neurons}
         self.state.ema = update_ema(self.state.ema, combined_scores(scores), hotkeys, alpha=scfg.ema_alpha)

@@ -1,6 +1,9 @@
 """Round records: what one averaging round looked like from this peer (JSON-serialisable).
 
 Scoring and dashboards read these; keep the field names stable (they are documented in docs/swarm.md).
+:class:`Outcome` is the protocol's one set of status codes: the swarm writes them and
+``dtrain.validation.scoring`` reads them. This module is plain Python (no torch, no
+hivemind) so that both can import it cheaply.
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ class Outcome(str, enum.Enum):
     NON_PARTICIPATING = "NON_PARTICIPATING"  # expected and reachable, but did not join the group
     NOT_ALIVE = "NOT_ALIVE"  # expected but not reachable on the DHT/p2p layer
     WRONG_MODEL = "WRONG_MODEL"  # joined, but its model fingerprint or tensor schema differs from ours
+
+    @classmethod
+    def parse(cls, value: "Outcome | str") -> "Outcome":
+        """An Outcome, or its name in any case ("success"); ValueError names the allowed codes."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).upper())
+        except ValueError:
+            raise ValueError(f"unknown round outcome {value!r}; expected one of "
+                             f"{', '.join(o.value for o in cls)}") from None
 
 
 @dataclass

@@ -14,39 +14,13 @@ Flow for one validation round::
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-
-class RoundStatus(str, enum.Enum):
-    """Outcome of one miner in one all-reduce round (exactly one per miner)."""
-
-    SUCCESS = "SUCCESS"
-    FAIL = "FAIL"
-    NON_PARTICIPATING = "NON_PARTICIPATING"
-    NOT_ALIVE = "NOT_ALIVE"
-    WRONG_MODEL = "WRONG_MODEL"
-
-    @classmethod
-    def coerce(cls, value: "RoundStatus | str | enum.Enum") -> "RoundStatus":
-        """Accept our enum, its string value, or another enum with the same names.
-
-        The swarm package records outcomes with its own type; accepting anything whose
-        name/value spells a status keeps scoring independent of it.
-        """
-        if isinstance(value, cls):
-            return value
-        raw = value.value if isinstance(value, enum.Enum) else value
-        if isinstance(value, enum.Enum) and not isinstance(raw, str):
-            raw = value.name
-        try:
-            return cls(str(raw).upper())
-        except ValueError:
-            raise ValueError(
-                f"unknown all-reduce status {value!r}; expected one of {[s.value for s in cls]}"
-            ) from None
+# The round outcome codes are the swarm's (one enum for the protocol); records.py is plain
+# Python, so scoring stays free of torch and hivemind.
+from dtrain.swarm.records import Outcome
 
 
 @dataclass(frozen=True)
@@ -91,29 +65,23 @@ class TrainCheck:
 
 
 @dataclass(frozen=True)
-class AllReduceObservation:
-    """What the validator saw of one miner in the all-reduce round it started.
-
-    ``throughput_bps``: the miner's bytes/s in the round (from the round record), or None
-    when the record has no figure for it.
-    """
-
-    status: RoundStatus | str
-    throughput_bps: float | None = None
-
-
-@dataclass(frozen=True)
 class MinerRoundInput:
     """Everything measured about one miner in one validation round.
 
-    A field left as None means "not measured this round" (the miner was not selected for
-    that query); it is left out of the weighted sum instead of counting as 0. A transfer
-    that was attempted and failed must be given as 0.0, not None.
+    ``outcome`` is the miner's outcome in the all-reduce round the validator started
+    (from the validator's own record of it; an Outcome or its string). A field left as
+    None means "not measured this round" (the miner was not selected for that query); it
+    is left out of the weighted sum instead of counting as 0. A transfer that was
+    attempted and failed must be given as 0.0, not None.
     """
 
     train: TrainCheck | None = None
-    allreduce: AllReduceObservation | None = None
+    outcome: Outcome | str | None = None
     state_slice_bps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome is not None:
+            object.__setattr__(self, "outcome", Outcome.parse(self.outcome))
 
 
 @dataclass(frozen=True)
@@ -231,9 +199,9 @@ def log_throughput_score(bps: float | None, best_bps: float, floor_bps: float) -
     return min(1.0, math.log(bps / floor_bps) / math.log(best / floor_bps))
 
 
-def participation_score(status: RoundStatus | str) -> float:
+def participation_score(outcome: Outcome | str) -> float:
     """1 for SUCCESS, 0 for FAIL / NON_PARTICIPATING / NOT_ALIVE / WRONG_MODEL."""
-    return 1.0 if RoundStatus.coerce(status) is RoundStatus.SUCCESS else 0.0
+    return 1.0 if Outcome.parse(outcome) is Outcome.SUCCESS else 0.0
 
 
 def score_round(
@@ -244,14 +212,14 @@ def score_round(
     Normalisations (steps, bandwidth) are relative to the best miner of this round, which
     is why this takes all miners at once.
     """
-    status: dict[int, RoundStatus | None] = {}
+    status: dict[int, Outcome | None] = {}
     grad: dict[int, float | None] = {}
     gates: dict[int, list[str]] = {}
     credited: dict[int, int] = {}
 
     for uid, inp in inputs.items():
         g_list: list[str] = []
-        st = RoundStatus.coerce(inp.allreduce.status) if inp.allreduce is not None else None
+        st = inp.outcome
         status[uid] = st
         g: float | None = None
         verified_ok = False
@@ -265,13 +233,13 @@ def score_round(
                 g_list.append(GATE_INFLATED_CLAIM)
             else:
                 verified_ok = True
-        if st is RoundStatus.WRONG_MODEL:
+        if st is Outcome.WRONG_MODEL:
             # Recomputation was done against *our* model; a peer on another model cannot
             # have produced gradients we can trust, whatever the Train checks said.
             g = 0.0 if inp.train is not None else g
             verified_ok = False
             g_list.append(GATE_WRONG_MODEL)
-        elif st is not None and st is not RoundStatus.SUCCESS:
+        elif st is not None and st is not Outcome.SUCCESS:
             g_list.append(GATE_NO_PARTICIPATION)
         grad[uid] = g
         gates[uid] = g_list
@@ -282,14 +250,6 @@ def score_round(
         [i.state_slice_bps for i in inputs.values() if i.state_slice_bps is not None and _finite(i.state_slice_bps)]
         + [0.0]
     )
-    best_ar = max(
-        [
-            i.allreduce.throughput_bps
-            for i in inputs.values()
-            if i.allreduce is not None and i.allreduce.throughput_bps is not None and _finite(i.allreduce.throughput_bps)
-        ]
-        + [0.0]
-    )
 
     out: dict[int, RoundScore] = {}
     for uid, inp in inputs.items():
@@ -297,16 +257,11 @@ def score_round(
         steps = None
         if inp.train is not None:
             steps = credited[uid] / best_steps if best_steps > 0 else 0.0
-        bw_parts: list[float] = []
+        # Bandwidth is what the validator timed itself: the state-slice download. A miner's
+        # own figures for its all-reduce are claims, so they are not scored.
+        bandwidth = None
         if inp.state_slice_bps is not None:
-            bw_parts.append(log_throughput_score(inp.state_slice_bps, best_slice, cfg.bandwidth_floor_bps))
-        if inp.allreduce is not None:
-            # A miner that did not complete the round moved no averaged data: 0, whatever
-            # figure the record holds for it.
-            ar_bps = inp.allreduce.throughput_bps if st is RoundStatus.SUCCESS else 0.0
-            if ar_bps is not None:
-                bw_parts.append(log_throughput_score(ar_bps, best_ar, cfg.bandwidth_floor_bps))
-        bandwidth = sum(bw_parts) / len(bw_parts) if bw_parts else None
+            bandwidth = log_throughput_score(inp.state_slice_bps, best_slice, cfg.bandwidth_floor_bps)
         participation = participation_score(st) if st is not None else None
 
         combined: float | None
@@ -402,9 +357,3 @@ def update_ema(
 def combined_scores(scores: Mapping[int, RoundScore]) -> dict[int, float]:
     """uid -> combined score for the uids the round scored, the input of ``update_ema``."""
     return {uid: s.combined for uid, s in scores.items() if s.combined is not None}
-
-
-def miners_only(uids: Iterable[int], validator_uids: Iterable[int]) -> list[int]:
-    """uids minus the validators' (validators are never rewarded as miners)."""
-    v = set(validator_uids)
-    return [u for u in uids if u not in v]

@@ -12,24 +12,17 @@ from typing import Iterable, Mapping
 U16_MAX = 65535
 
 
-def compute_weights(
-    scores: Mapping[int, float],
-    miner_uids: Iterable[int] | None = None,
-    *,
-    top_k: int | None = None,
-    min_weight: float = 0.0,
-) -> dict[int, float]:
+def compute_weights(scores: Mapping[int, float], miner_uids: Iterable[int] | None = None) -> dict[int, float]:
     """Normalise scores to weights that sum to 1 over miners.
 
-    - ``miner_uids``: the uids eligible for weight (validators excluded by the caller);
-      None means every uid in ``scores``. Eligible uids without a score get 0.
-    - ``top_k``: keep only the k best scores (ties broken by lower uid, so the result is
-      deterministic across validators).
-    - ``min_weight``: after the first normalisation, weights below it are dropped and the
-      rest renormalised (one pass; it cannot cascade into dropping everyone because the
-      largest weight is at least 1/n).
+    ``miner_uids`` are the uids eligible for weight (validators excluded by the caller);
+    None means every uid in ``scores``. Eligible uids without a positive finite score get 0.
     Returns ``{}`` when no eligible uid has a positive score: there is nothing to reward,
     and the caller should not set weights.
+
+    Total for any finite scores: they are divided by the largest before summing, so
+    scores near the float maximum cannot overflow the sum to inf (which would turn
+    every weight into 0), and tiny ones are not lost to underflow relative to each other.
     """
     eligible = set(scores) if miner_uids is None else set(miner_uids)
     positive = {
@@ -37,21 +30,12 @@ def compute_weights(
         for uid in eligible
         if uid in scores and math.isfinite(scores[uid]) and scores[uid] > 0
     }
-    if top_k is not None:
-        if top_k <= 0:
-            raise ValueError(f"top_k must be positive, got {top_k}")
-        ranked = sorted(positive.items(), key=lambda kv: (-kv[1], kv[0]))[:top_k]
-        positive = dict(ranked)
-    total = sum(positive.values())
-    if total <= 0:
+    if not positive:
         return {}
-    weights = {uid: v / total for uid, v in positive.items()}
-    if min_weight > 0:
-        kept = {uid: w for uid, w in weights.items() if w >= min_weight}
-        if kept:
-            total = sum(kept.values())
-            weights = {uid: w / total for uid, w in kept.items()}
-    return {uid: weights.get(uid, 0.0) for uid in sorted(eligible)}
+    top = max(positive.values())
+    scaled = {uid: v / top for uid, v in positive.items()}  # each in (0, 1]; the sum is at most len
+    total = sum(scaled.values())
+    return {uid: scaled.get(uid, 0.0) / total for uid in sorted(eligible)}
 
 
 def to_u16(weights: Mapping[int, float]) -> tuple[list[int], list[int]]:
