@@ -229,7 +229,7 @@ def ckpt(tmp_path):
 
 
 def _store(hub, sleeps, **kw):
-    kw.setdefault("retry", RetryPolicy(max_attempts=4, base_delay=0.5, jitter=0.0))
+    kw.setdefault("retry", RetryPolicy(attempts=4, base_delay=0.5, jitter=0.0))
     return HfStore("alice/dtrain-run", endpoint=hub.url, token="good-token", sleep=sleeps.append, **kw)
 
 

@@ -29,7 +29,7 @@ from dtrain.hub.base import (
     emit,
     folder_files,
 )
-from dtrain.hub.retry import RetryPolicy, call_with_retries, http_status, is_retryable
+from dtrain.hub.retry import HUB_RETRY, RetryPolicy, call_with_retries, http_status, is_retryable
 from dtrain.hub.tags import is_tag, newest, parse_tag
 
 _TOKEN_HINT = "set HF_TOKEN or run `hf auth login` with a token that has write access"
@@ -54,7 +54,7 @@ class HfStore:
         endpoint: str | None = None,
         token: str | None = None,
         private: bool | None = None,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = HUB_RETRY,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
     ) -> None:

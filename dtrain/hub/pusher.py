@@ -176,12 +176,6 @@ class BackgroundPusher:
                 self._cv.wait(timeout=left if left is not None else 1.0)
             return True
 
-    def retry_now(self) -> None:
-        """Cancel the wait before the next retry (e.g. the operator fixed the token)."""
-        with self._cv:
-            self._s.retry_at = None
-            self._cv.notify_all()
-
     # ------------------------------------------------------------------ internals (call with lock held)
 
     def _busy(self) -> bool:

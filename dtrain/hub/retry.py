@@ -1,4 +1,4 @@
-"""Retries with exponential backoff and jitter, and the retryable/fatal split.
+"""Model-store calls under the shared retry policy (``dtrain.retry``), and the retryable/fatal split.
 
 Retryable: HTTP 5xx, 408 and 429, connection errors, timeouts, and StoreError(retryable=True).
 Fatal at once: 401/403 (credentials or permission), 404, other 4xx, programming errors.
@@ -11,12 +11,18 @@ import errno
 import random
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from dtrain.hub.base import ProgressCallback, ProgressEvent, StoreError, emit, log
+from dtrain.retry import RetryPolicy, retry
+
+__all__ = ["HUB_RETRY", "RetryPolicy", "call_with_retries", "http_status", "is_retryable"]
 
 T = TypeVar("T")
+
+# Uploads are slow and Hub outages last minutes: start at 2 s, allow up to a minute, and
+# keep the waits close to the schedule (+0/-25 %) so a push is not delayed needlessly.
+HUB_RETRY = RetryPolicy(attempts=5, base_delay=2.0, max_delay=60.0, jitter=0.25)
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 _NETWORK_ERRNOS = {
@@ -29,31 +35,6 @@ _NETWORK_ERRNOS = {
     errno.ENETDOWN,
     errno.EPIPE,
 }
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """delay(n) = min(max_delay, base_delay * 2**(n-1)) * (1 + U(-jitter, +jitter))."""
-
-    max_attempts: int = 5
-    base_delay: float = 2.0
-    max_delay: float = 60.0
-    jitter: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.base_delay < 0 or self.max_delay < 0 or not 0 <= self.jitter < 1:
-            raise ValueError("delays must be >= 0 and jitter in [0, 1)")
-
-    def delay(self, failures: int, rng: random.Random | None = None) -> float:
-        """Seconds to wait after the ``failures``-th failed attempt (1-based)."""
-        base = min(self.max_delay, self.base_delay * 2 ** max(0, failures - 1))
-        if self.jitter:
-            # Jitter spreads the retries of many miners that failed at the same moment
-            # (a Hub outage) so they do not all come back in lockstep.
-            base *= 1 + (rng or random).uniform(-self.jitter, self.jitter)
-        return max(0.0, base)
 
 
 def http_status(exc: BaseException) -> int | None:
@@ -107,26 +88,26 @@ def call_with_retries(
     StoreError (it is consulted for the message; retryability comes from the original).
     Raises StoreError whose ``attempts`` says how many tries were made.
     """
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn(), attempt
-        except BaseException as exc:  # noqa: BLE001 - classified below, re-raised if not ours
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            retryable = is_retryable(exc)
-            nice = translate(exc) if translate is not None else exc
-            if not retryable:
-                if isinstance(nice, StoreError):
-                    nice.attempts = attempt
-                    raise nice from exc
-                raise StoreError(f"{what} failed: {nice}", retryable=False, attempts=attempt) from exc
-            if attempt >= policy.max_attempts:
-                raise StoreError(
-                    f"{what} failed after {attempt} attempts: {nice}", retryable=True, attempts=attempt
-                ) from exc
-            wait = policy.delay(attempt, rng)
-            log.warning("%s failed (attempt %d/%d): %s; retrying in %.1fs", what, attempt, policy.max_attempts, nice, wait)
-            emit(progress, ProgressEvent("retry", attempt=attempt, message=f"{what}: {nice}; retry in {wait:.1f}s"))
-            sleep(wait)
+    attempts = 0
+
+    def counted() -> T:
+        nonlocal attempts
+        attempts += 1
+        return fn()
+
+    def on_retry(exc: BaseException, failures: int, wait: float) -> None:
+        nice = translate(exc) if translate is not None else exc
+        log.warning("%s failed (attempt %d/%d): %s; retrying in %.1fs", what, failures, policy.attempts, nice, wait)
+        emit(progress, ProgressEvent("retry", attempt=failures, message=f"{what}: {nice}; retry in {wait:.1f}s"))
+
+    try:
+        return retry(counted, policy=policy, retryable=is_retryable, on_retry=on_retry, sleep=sleep, rng=rng)
+    except Exception as exc:
+        nice = translate(exc) if translate is not None else exc
+        if not is_retryable(exc):
+            if isinstance(nice, StoreError):
+                nice.attempts = attempts
+                raise nice from exc
+            raise StoreError(f"{what} failed: {nice}", retryable=False, attempts=attempts) from exc
+        raise StoreError(f"{what} failed after {attempts} attempts: {nice}", retryable=True,
+                         attempts=attempts) from exc

@@ -15,13 +15,15 @@ from dtrain.neurons.runtime import NeuronError
 
 def open_configured_store(cfg: Config, target: str | None = None):
     """The model store named by ``hub.repo`` (or ``target``), with the configured retries."""
-    from dtrain.hub.retry import RetryPolicy
+    from dataclasses import replace
+
+    from dtrain.hub.retry import HUB_RETRY
     from dtrain.hub.targets import open_store
 
     target = target or cfg.hub.repo
     if not target:
         raise NeuronError("no model store configured: set hub.repo (hf://owner/repo or a directory) or pass --repo")
-    retry = RetryPolicy(max_attempts=cfg.hub.push_retries, base_delay=cfg.hub.backoff_s)
+    retry = replace(HUB_RETRY, attempts=cfg.hub.push_retries, base_delay=cfg.hub.backoff_s)
     try:
         return open_store(target, retry=retry) if target.startswith("hf://") else open_store(target)
     except ValueError as exc:
