@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.config import Config, expand
+from dtrain.jsonutil import finite_or_none
 
 log = logging.getLogger("dtrain.status")
 
@@ -59,18 +60,6 @@ def _miner_fields(st: Any) -> dict[str, Any]:
     return {"epoch": _epoch(st.get("epoch")), "loss": _finite(st.get("loss")),
             "samples": _count(st.get("samples")),
             "samples_accumulated": _count(st.get("samples_accumulated")) or 0}
-
-
-def finite_or_none(value: Any) -> Any:
-    """``value`` with every NaN/±inf float (at any depth) replaced by None, so the doc
-    is strict JSON and renderers never meet a non-finite number."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_none(v) for v in value]
-    return value
 
 
 def _local_dirs(cfg: Config) -> list[Path]:

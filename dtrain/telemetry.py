@@ -11,7 +11,6 @@ Only the standard library: the core must not import Rich or the CLI.
 from __future__ import annotations
 
 import copy
-import json
 import threading
 import time
 from collections import deque
@@ -178,6 +177,7 @@ class Telemetry:
 
 def write_status_file(path: str, snap: Snapshot) -> None:
     """Atomically publish a snapshot as JSON, for ``dtrain status`` and the sandbox to read."""
+    from dtrain import jsonutil
     from dtrain.atomic import write_text
 
-    write_text(path, json.dumps(snap.to_dict(), default=str))
+    write_text(path, jsonutil.dumps(snap.to_dict()))

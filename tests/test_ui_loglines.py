@@ -66,7 +66,7 @@ def test_json_lines_parse_and_keep_the_full_round():
             for line in out.getvalue().splitlines()]
     assert [d["kind"] for d in docs] == ["train", "round", "event"]
     assert all(TS.match(d["ts"]) for d in docs)
-    assert docs[0]["loss"] == "nan"  # strict JSON: no bare NaN
+    assert docs[0]["loss"] is None  # strict JSON: a NaN loss is null (unknown), never a bare NaN
     assert docs[1]["level"] == "WARNING" and docs[1]["peers"][1]["outcome"] == "FAIL"
     assert docs[2]["level"] == "WARNING" and docs[2]["uids"] == [1, 2] and docs[2]["message"] == "weights set"
 

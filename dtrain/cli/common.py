@@ -7,7 +7,6 @@ this module is loaded for ``--help`` and for every TAB press of shell completion
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from pathlib import Path
@@ -101,22 +100,11 @@ def cli_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _json_safe(value: Any) -> Any:
-    """``value`` with NaN/±inf floats turned into None at any depth: Python's json
-    writes them as bare NaN/Infinity, which is not JSON and breaks jq and friends."""
-    if isinstance(value, float):
-        return value if value == value and value not in (float("inf"), float("-inf")) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def print_json(doc: Any) -> None:
-    """Strict JSON on stdout (allow_nan=False backs up the conversion: a stray
-    non-finite float is a bug to hear about, not output to emit)."""
-    text = json.dumps(_json_safe(doc), indent=2, sort_keys=False, default=str, allow_nan=False)
+    """One strict JSON document on stdout (NaN/inf as null: ``dtrain.jsonutil``)."""
+    from dtrain import jsonutil
+
+    text = jsonutil.dumps(doc, indent=2, sort_keys=False)
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 

@@ -17,6 +17,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, TextIO
 
+from dtrain import jsonutil
 from dtrain.telemetry import Telemetry
 
 FORMATS = ("text", "json")
@@ -71,17 +72,6 @@ def _text_value(v: Any) -> str:
     return s
 
 
-def _json_safe(v: Any) -> Any:
-    """JSON has no NaN/inf; write them as strings rather than emitting invalid JSON."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    if isinstance(v, dict):
-        return {str(k): _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return v
-
-
 class LineLogger:
     """The listener ``attach_line_logger`` subscribes. ``close()`` silences it (Telemetry has no unsubscribe)."""
 
@@ -112,8 +102,8 @@ class LineLogger:
             body["suppressed"] = suppressed
         ts = utc_timestamp(self._wallclock())
         if self.fmt == "json":
-            return json.dumps({"ts": ts, "level": level, "kind": kind, **_json_safe(body)}, default=str,
-                              allow_nan=False)
+            # Strict JSON: a NaN loss is logged as null (unknown), as in every machine output.
+            return jsonutil.dumps({"ts": ts, "level": level, "kind": kind, **body})
         parts = [ts, level, kind]
         message = body.pop("message", None)
         if message is not None:
