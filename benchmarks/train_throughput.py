@@ -30,7 +30,7 @@ def build_batches(args, vocab_tokenizer):
     spec = PageSpec(seq_len=args.seq_len, page_sequences=args.batch, docs_per_page=args.docs_per_page)
     reader = PageReader(DataSource.shipped(), vocab_tokenizer, spec)
     n = args.steps + args.warmup
-    pages = assign_pages(run_id="bench", uid=0, epoch=0, counter=0, num_pages=reader.num_pages,
+    pages = assign_pages(run_id="bench", uid=0, epoch=0, page_counter=0, num_pages=reader.num_pages,
                          count=n, max_uids=1)
     return [reader.read_page(p) for p in pages]
 

@@ -16,6 +16,10 @@ import pytest
 bt = pytest.importorskip("bittensor")
 
 from dtrain.api.client import MAX_JSON_BYTES, ApiError, MinerClient  # noqa: E402
+from dtrain.api.messages import AllReduceRequest, TrainRequest  # noqa: E402
+
+TRAIN = TrainRequest(nonce="c0ffee", epoch=7, pages=1, micro_batch_size=8)
+ROUND = AllReduceRequest(round_id="r-7", epoch=7, weight_cap=16.0, deadline_s=30.0)
 
 MINER = "5FHneW46xGXgs5mUiveU4sbTyGBzmstUspZC92UhjJM694ty"  # receiver for signed calls; not verified here
 
@@ -233,10 +237,30 @@ def test_undecodable_json_is_api_error(client, raw_server, body):
 def test_hostile_json_on_signed_calls(client, raw_server):
     server = raw_server(reply(b'{"joined": true, "x": NaN}'))
     with pytest.raises(ApiError):
-        client.allreduce(server.api, MINER, {"round": 1})
+        client.allreduce(server.api, MINER, ROUND)
     server = raw_server(reply(b"[" * 100_000))
     with pytest.raises(ApiError):
-        client.train(server.api, MINER, {"pages": [1]})
+        client.train(server.api, MINER, TRAIN)
+
+
+@pytest.mark.parametrize("body, field", [
+    (b'{"joined": "yes", "epoch": 7, "round": null}', "'joined' must be true or false"),
+    (b'{"joined": true, "epoch": -1, "round": null}', "'epoch' must be in"),
+    (b'{"epoch": 7, "round": null}', "'joined' is required"),
+])
+def test_an_answer_that_is_not_its_message_type_is_an_api_error(client, raw_server, body, field):
+    server = raw_server(reply(body))
+    with pytest.raises(ApiError) as info:
+        client.allreduce(server.api, MINER, ROUND)
+    assert "malformed AllReduceResponse" in info.value.message and field in info.value.message
+
+
+def test_a_train_answer_with_a_forged_shape_is_refused(client, raw_server):
+    forged = (b'{"uid": 1, "epoch": 7, "samples_total": 8, "params_digest": "ab", '
+              b'"microbatches": [{"page": 0, "loss": 2.5, "sketch": "not a list", "samples": 8}]}')
+    server = raw_server(reply(forged))
+    with pytest.raises(ApiError, match=r"'microbatches\[0\]\.sketch' must be a list"):
+        client.train(server.api, MINER, TRAIN)
 
 
 # -- oversized bodies ------------------------------------------------------------------------------
@@ -337,7 +361,7 @@ class _Good(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         # Chunked on purpose: the client must handle both framings.
-        body = json.dumps({"joined": True, "echo": request}).encode()
+        body = json.dumps({"joined": True, "epoch": request["epoch"] + 1, "round": None, "echo": request}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
@@ -359,9 +383,11 @@ def good_server():
 
 
 def test_normal_miner_still_works(client, good_server):
-    assert client.status(good_server) == {"epoch": 3, "loss": 2.5, "samples": 8}
-    assert client.status("http://" + good_server + "/")["epoch"] == 3
-    assert client.allreduce(good_server, MINER, {"round": 7}) == {"joined": True, "echo": {"round": 7}}
+    status = client.status(good_server)
+    assert (status.epoch, status.loss, status.samples, status.peer_id) == (3, 2.5, 8, None)
+    assert client.status("http://" + good_server + "/").epoch == 3
+    answer = client.allreduce(good_server, MINER, ROUND)
+    assert answer.joined is True and answer.epoch == 8 and answer.round is None
     download = client.state_slice(good_server, MINER, 0, 10240, keep_data=True)
     assert download.bytes_received == 10240 and download.data == bytes(range(256)) * 40
     assert download.seconds >= download.first_byte_seconds >= 0

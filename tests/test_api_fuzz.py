@@ -1,8 +1,8 @@
 """Hypothesis fuzzing of the miner API: arbitrary bodies, headers and paths.
 
 Invariants: the server never answers 5xx and never dies; unauthenticated input
-never reaches a handler; signed input reaches a handler only when it matches
-the schema.
+never reaches a handler; signed input reaches a handler only when it parses as
+its message type (dtrain.api.messages).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 bt = pytest.importorskip("bittensor")
 
-from dtrain.api.schema import PayloadError, validate_train  # noqa: E402
+from dtrain.api.messages import (  # noqa: E402
+    AllReduceResponse, PayloadError, StatusResponse, TrainRequest, TrainResponse,
+)
 from dtrain.api.server import Handlers, MinerApiServer  # noqa: E402
 
 AUTH_HEADERS = ["X-Bittensor-Version", "X-Bittensor-Hotkey", "X-Bittensor-Receiver",
@@ -36,9 +38,11 @@ def env(tmp_path_factory):
         wallets[name] = wallet
     calls: list = []
     handlers = Handlers(
-        status=lambda: {"ok": True},
-        train=lambda body, caller: calls.append(("train", body)) or {"uid": 0},
-        allreduce=lambda body, caller: calls.append(("allreduce", body)) or {"joined": False, "round": None},
+        status=lambda: StatusResponse(state="fuzzed"),
+        train=lambda request, caller: calls.append(("train", request)) or TrainResponse(
+            uid=0, epoch=request.epoch, samples_total=0, params_digest="00", microbatches=()),
+        allreduce=lambda request, caller: calls.append(("allreduce", request)) or AllReduceResponse(
+            joined=False, epoch=request.epoch, round=None),
         state_slice=lambda offset, length: calls.append(("slice", offset)) or b"\0" * min(length, 16),
     )
     validator = wallets["validator"].hotkey.ss58_address
@@ -103,7 +107,7 @@ def test_signed_noise_is_handled_only_when_valid(env, body, content_type):
     try:
         # Mirror the server: strict UTF-8, no NaN/Infinity constants.
         payload = json.loads(body.decode("utf-8"), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-        validate_train(payload)
+        TrainRequest.parse(payload)
         valid = content_type == "application/json" and len(body) <= 2048
     except (ValueError, PayloadError):
         valid = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import http.client
 import json
@@ -15,11 +16,16 @@ import pytest
 bt = pytest.importorskip("bittensor")
 
 from dtrain.api.client import ApiError, MinerClient  # noqa: E402
+from dtrain.api.messages import (  # noqa: E402
+    AllReduceRequest, AllReduceResponse, MicroBatchReport, QueryLimits, StatusResponse, TrainRequest, TrainResponse,
+)
 from dtrain.api.server import Handlers, HandlerError, MinerApiServer  # noqa: E402
 
 STATE = bytes(range(256)) * 4096  # 1 MiB of model state
 TRAIN = {"nonce": "c0ffee", "epoch": 3, "pages": 2, "micro_batch_size": 4}
 ALLREDUCE = {"round_id": "r-1", "epoch": 3, "weight_cap": 1.5, "deadline_s": 30.0}
+TRAIN_REQ = TrainRequest.parse(TRAIN)
+ALLREDUCE_REQ = AllReduceRequest.parse(ALLREDUCE)
 
 
 def _wallet(root, name):
@@ -50,20 +56,20 @@ class Recorder:
 
     def handlers(self) -> Handlers:
         def status():
-            return {"epoch": 3, "samples": 10}
+            return StatusResponse(epoch=3, samples=10)
 
-        def train(body, caller):
-            self._note("train", body, caller)
+        def train(request, caller):
+            self._note("train", request.to_json(), caller)
             if self.train_error is not None:
                 raise self.train_error
             if self.train_gate is not None:
                 assert self.train_gate.wait(60)
-            return {"uid": 1, "epoch": body["epoch"], "samples_total": 8,
-                    "microbatches": [{"page": 0, "loss": 2.5, "fingerprint": [0.1, -0.2]}]}
+            return TrainResponse(uid=1, epoch=request.epoch, samples_total=8, params_digest="ab12",
+                                 microbatches=(MicroBatchReport(page=0, loss=2.5, sketch=(0.1, -0.2), samples=4),))
 
-        def allreduce(body, caller):
-            self._note("allreduce", body, caller)
-            return {"joined": True, "round": None}
+        def allreduce(request, caller):
+            self._note("allreduce", request.to_json(), caller)
+            return AllReduceResponse(joined=True, epoch=request.epoch, round=None)
 
         def state_slice(offset, length):
             self._note("state_slice", offset, length)
@@ -85,7 +91,7 @@ def served(wallets):
 
     server = MinerApiServer(
         recorder.handlers(), self_hotkey=wallets["miner"].hotkey.ss58_address,
-        is_allowed=is_allowed, max_body_bytes=4096, max_slice_bytes=len(STATE),
+        is_allowed=is_allowed, max_body_bytes=4096, limits=QueryLimits(max_pages=64, max_slice_bytes=len(STATE)),
     ).start()
     server.permit_error = permit_error  # type: ignore[attr-defined]
     yield server, recorder
@@ -133,7 +139,7 @@ def test_signed_allreduce(served, wallets):
     body = body_of(ALLREDUCE)
     status, _, raw = send(server, "POST", "/v1/allreduce", body,
                           signed(wallets["validator"], server.self_hotkey, "POST", "/v1/allreduce", body))
-    assert (status, json.loads(raw)) == (200, {"joined": True, "round": None})
+    assert (status, json.loads(raw)) == (200, {"joined": True, "epoch": 3, "round": None})
     assert rec.calls[0][0] == "allreduce"
 
 
@@ -355,7 +361,8 @@ def test_openapi_document(served):
     doc = json.loads(raw)
     assert status == 200 and doc["openapi"].startswith("3.")
     assert {"/v1/status", "/v1/train", "/v1/allreduce", "/v1/state-slice", "/metrics"} <= set(doc["paths"])
-    assert doc["paths"]["/v1/train"]["post"]["requestBody"]["content"]["application/json"]["schema"]["required"] == [
+    body = doc["paths"]["/v1/train"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]["required"] == [
         "nonce", "epoch", "pages", "micro_batch_size"]
 
 
@@ -417,9 +424,9 @@ def test_client_round_trip(served, wallets):
     server, rec = served
     client = MinerClient(wallets["validator"], timeout=30)
     api = f"127.0.0.1:{server.port}"
-    assert client.status(api)["epoch"] == 3
-    assert client.train(api, server.self_hotkey, TRAIN)["samples_total"] == 8
-    assert client.allreduce(api, server.self_hotkey, ALLREDUCE)["joined"] is True
+    assert client.status(api).epoch == 3 and client.status(api).hotkey == server.self_hotkey
+    assert client.train(api, server.self_hotkey, TRAIN_REQ).samples_total == 8
+    assert client.allreduce(api, server.self_hotkey, ALLREDUCE_REQ).joined is True
     assert rec.calls[0] == ("train", TRAIN, wallets["validator"].hotkey.ss58_address)
     download = client.state_slice(api, server.self_hotkey, 4096, 300_000, keep_data=True)
     assert download.bytes_received == 300_000 and download.data == STATE[4096:304096]
@@ -431,13 +438,16 @@ def test_client_round_trip(served, wallets):
 def test_client_errors_carry_status_and_message(served, wallets):
     server, rec = served
     with pytest.raises(ApiError) as info:
-        MinerClient(wallets["stranger"]).train(server.url, server.self_hotkey, TRAIN)
+        MinerClient(wallets["stranger"]).train(server.url, server.self_hotkey, TRAIN_REQ)
     assert info.value.status == 403 and "not allowed" in info.value.message
     with pytest.raises(ApiError) as info:
-        MinerClient(wallets["validator"]).train(server.url, server.self_hotkey, dict(TRAIN, pages=-1))
+        MinerClient(wallets["validator"]).train(server.url, server.self_hotkey, dataclasses.replace(TRAIN_REQ, pages=-1))
     assert info.value.status == 422 and "'pages'" in info.value.message
     with pytest.raises(ApiError) as info:
-        MinerClient(wallets["validator"]).train(server.url, wallets["other_miner"].hotkey.ss58_address, TRAIN)
+        MinerClient(wallets["validator"]).train(server.url, server.self_hotkey, dataclasses.replace(TRAIN_REQ, pages=65))
+    assert info.value.status == 422 and "at most 64 on this miner" in info.value.message
+    with pytest.raises(ApiError) as info:
+        MinerClient(wallets["validator"]).train(server.url, wallets["other_miner"].hotkey.ss58_address, TRAIN_REQ)
     assert info.value.status == 401
     assert rec.calls == []
 
@@ -463,9 +473,9 @@ def test_sandbox_registered_validator_is_the_allowed_caller(wallets, tmp_path):
     rec = Recorder()
     with MinerApiServer(rec.handlers(), self_hotkey=wallets["miner"].hotkey.ss58_address,
                         is_allowed=ValidatorPermits(chain)) as server:
-        assert MinerClient(wallets["validator"]).train(server.url, server.self_hotkey, TRAIN)["uid"] == 1
+        assert MinerClient(wallets["validator"]).train(server.url, server.self_hotkey, TRAIN_REQ).uid == 1
         with pytest.raises(ApiError) as info:
-            MinerClient(wallets["stranger"]).train(server.url, server.self_hotkey, TRAIN)
+            MinerClient(wallets["stranger"]).train(server.url, server.self_hotkey, TRAIN_REQ)
         assert info.value.status == 403
     assert len(rec.calls) == 1
     chain.close()

@@ -7,9 +7,8 @@ import threading
 import pytest
 import torch
 
-from dtrain.api.server import HandlerError
+from dtrain.neurons.base import CatchUpTarget
 from dtrain.neurons.jobs import JobQueue
-from dtrain.neurons.miner import _peer_caps
 
 
 def test_jobs_run_on_the_thread_that_drains_the_queue():
@@ -39,19 +38,6 @@ def test_job_errors_reach_the_waiting_handler_and_cancel_all_fails_pending():
     jobs.cancel_all(RuntimeError("shutting down"))
     with pytest.raises(RuntimeError, match="shutting down"):
         pending.result(timeout=1)
-
-
-@pytest.mark.parametrize("raw", [[1, 2], {"peer": -1}, {"peer": float("nan")}, {"": 1.0}, {"p": True},
-                                 {f"p{i}": 1.0 for i in range(4097)}, {"p": "1"}])
-def test_malformed_weight_caps_are_refused_with_422(raw):
-    with pytest.raises(HandlerError) as info:
-        _peer_caps(raw)
-    assert info.value.status == 422 and "weight_caps" in info.value.message
-
-
-def test_weight_caps_are_read_as_floats():
-    assert _peer_caps(None) == {}
-    assert _peer_caps({"QmA": 0, "QmB": 32}) == {"QmA": 0.0, "QmB": 32.0}
 
 
 def _trainer(seed: int):
@@ -96,8 +82,10 @@ def test_discovery_keeps_only_addresses_of_the_committed_peer(monkeypatch):
     from dtrain.neurons import discovery
 
     honest = MinerCommitment(peer_id="QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", api="127.0.0.1:1", repo="x")
-    docs = {"127.0.0.1:1": {"maddrs": ["/ip4/127.0.0.1/tcp/5/p2p/" + honest.peer_id,
-                                       "/ip4/6.6.6.6/tcp/5/p2p/QmSomeoneElse"]}}
+    from dtrain.api.messages import StatusResponse
+
+    docs = {"127.0.0.1:1": StatusResponse(maddrs=("/ip4/127.0.0.1/tcp/5/p2p/" + honest.peer_id,
+                                                  "/ip4/6.6.6.6/tcp/5/p2p/QmSomeoneElse"))}
     monkeypatch.setattr(discovery, "_status", lambda api, timeout: docs.get(api))
     assert discovery.peer_maddrs([honest]) == ["/ip4/127.0.0.1/tcp/5/p2p/" + honest.peer_id]
     assert discovery.peer_maddrs([honest], exclude_peer=honest.peer_id) == []
@@ -160,11 +148,11 @@ def test_catch_up_keeps_a_state_that_matches_and_refuses_one_that_does_not():
     lagging = _neuron(_trainer(0))
     own_digest = lagging._digest
     lagging.swarm = _PeerWithState(bad_meta, [t.clone() for t in bad_tensors])
-    assert lagging._catch_up(epoch=1, digest=good_digest) is False
+    assert lagging._catch_up(CatchUpTarget(epoch=1, digest=good_digest)) is False
     assert lagging.epoch == 0 and params_digest(lagging.trainer) == own_digest  # own state put back
 
     lagging.swarm = _PeerWithState(good_meta, [t.clone() for t in good_tensors])
-    assert lagging._catch_up(epoch=1, digest=good_digest) is True
+    assert lagging._catch_up(CatchUpTarget(epoch=1, digest=good_digest)) is True
     assert lagging.epoch == 1 and lagging._digest == good_digest
     assert lagging.swarm.priority == 1
 

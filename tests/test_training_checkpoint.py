@@ -50,7 +50,7 @@ def worker(ckpt_dir: str, steps: int, kill_at_step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step(m, lp) -> None:
-        print(json.dumps({"step": m.inner_step, "loss": m.loss, "cursor": lp.cursor}), flush=True)
+        print(json.dumps({"step": m.inner_step, "loss": m.loss, "page_counter": lp.page_counter}), flush=True)
 
     run_local_training(trainer, reader, loop, steps=steps, pages_per_step=PAGES_PER_STEP,
                        checkpoint_dir=ckpt_dir, checkpoint_every=1, on_step=on_step,
@@ -79,7 +79,7 @@ def test_sigkill_mid_write_then_bit_exact_resume(tmp_path):
     assert any(".tmp-" in p.name for p in crash_dir.iterdir())
     assert read_manifest(crash_dir)["seq"] == 3
     state = load_checkpoint(crash_dir)
-    assert state["counters"]["inner_step"] == 3 and state["data_cursor"] == 3 * PAGES_PER_STEP
+    assert state["counters"]["inner_step"] == 3 and state["page_counter"] == 3 * PAGES_PER_STEP
     assert state["run_id"] == "ck-run"
 
     rc, resumed_steps, resumed_params, err = _run(crash_dir, 3)

@@ -22,21 +22,21 @@ def tokenizer():
 
 
 def test_assignment_is_deterministic_and_depends_on_every_input():
-    base = dict(run_id="run-a", uid=3, epoch=2, counter=10, num_pages=1_000_003, count=4)
+    base = dict(run_id="run-a", uid=3, epoch=2, page_counter=10, num_pages=1_000_003, count=4)
     first = assign_pages(**base)
     assert first == assign_pages(**base)
     assert len(first) == 4 and all(0 <= p < base["num_pages"] for p in first)
-    for change in ({"run_id": "run-b"}, {"uid": 4}, {"epoch": 3}, {"counter": 11}, {"nonce": "abc"}):
+    for change in ({"run_id": "run-b"}, {"uid": 4}, {"epoch": 3}, {"page_counter": 11}, {"nonce": "abc"}):
         assert assign_pages(**{**base, **change}) != first, change
     # consecutive counters are a sliding window of the same sequence
-    assert assign_pages(**{**base, "counter": 11, "count": 3}) == first[1:]
+    assert assign_pages(**{**base, "page_counter": 11, "count": 3}) == first[1:]
 
 
 def test_assignment_disjoint_across_miners_within_an_epoch():
     num_pages = 500_000
     seen: dict[int, tuple[int, int]] = {}
     for uid in range(64):
-        for page_i, page in enumerate(assign_pages(run_id="r", uid=uid, epoch=7, counter=0,
+        for page_i, page in enumerate(assign_pages(run_id="r", uid=uid, epoch=7, page_counter=0,
                                                     num_pages=num_pages, count=100)):
             assert page not in seen, f"uid {uid} counter {page_i} collides with {seen[page]}"
             seen[page] = (uid, page_i)
@@ -46,7 +46,7 @@ def test_assignment_disjoint_across_miners_within_an_epoch():
 def test_small_page_space_is_shared_out_evenly():
     # sandbox: 4 miners, 488 pages, max_uids = number of miners -> a full cover, no overlap
     pages = [p for uid in range(4)
-             for p in assign_pages(run_id="s", uid=uid, epoch=0, counter=0, num_pages=488, count=122, max_uids=4)]
+             for p in assign_pages(run_id="s", uid=uid, epoch=0, page_counter=0, num_pages=488, count=122, max_uids=4)]
     assert sorted(pages) == list(range(488))
 
 
@@ -59,9 +59,9 @@ def test_permutation_is_a_bijection():
 
 def test_assignment_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        assign_pages(run_id="r", uid=256, epoch=0, counter=0, num_pages=10)
+        assign_pages(run_id="r", uid=256, epoch=0, page_counter=0, num_pages=10)
     with pytest.raises(ValueError):
-        assign_pages(run_id="r", uid=0, epoch=0, counter=-1, num_pages=10)
+        assign_pages(run_id="r", uid=0, epoch=0, page_counter=-1, num_pages=10)
 
 
 def _write_shards(tmp_path, n_files=3, lines=40):
@@ -142,14 +142,14 @@ from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
 from dtrain.training.tokenizer import load_tokenizer
 tok, _ = load_tokenizer(allow_fallback=True, local_files_only=True)
 reader = PageReader(DataSource.shipped(), tok, PageSpec(seq_len=32, page_sequences=2, docs_per_page=16))
-pages = assign_pages(run_id="run-x", uid=5, epoch=1, counter=3, num_pages=reader.num_pages, count=2, nonce="n0")
+pages = assign_pages(run_id="run-x", uid=5, epoch=1, page_counter=3, num_pages=reader.num_pages, count=2, nonce="n0")
 print(json.dumps({"pages": pages, "tokens": reader.read_pages(pages).tolist()}))
 """
 
 
 def test_second_process_rebuilds_the_same_batch(tokenizer):
     reader = PageReader(DataSource.shipped(), tokenizer, PageSpec(seq_len=32, page_sequences=2, docs_per_page=16))
-    pages = assign_pages(run_id="run-x", uid=5, epoch=1, counter=3, num_pages=reader.num_pages, count=2, nonce="n0")
+    pages = assign_pages(run_id="run-x", uid=5, epoch=1, page_counter=3, num_pages=reader.num_pages, count=2, nonce="n0")
     mine = reader.read_pages(pages).tolist()
     out = subprocess.run([sys.executable, "-c", _REBUILD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -33,9 +33,9 @@ def setup():
     # a few steps so the gradients are not those of a random init
     tr = Trainer(model, TrainerConfig(micro_batch_size=8, lr=3e-3, warmup_steps=1))
     for s in range(5):
-        tr.train_step(reader.read_pages(assign_pages(run_id="f", uid=0, epoch=0, counter=2 * s,
+        tr.train_step(reader.read_pages(assign_pages(run_id="f", uid=0, epoch=0, page_counter=2 * s,
                                                      num_pages=reader.num_pages, count=2)))
-    pages = assign_pages(run_id="f", uid=1, epoch=0, counter=0, num_pages=reader.num_pages, count=2, nonce="n")
+    pages = assign_pages(run_id="f", uid=1, epoch=0, page_counter=0, num_pages=reader.num_pages, count=2, nonce="n")
     return model, reader.read_pages(pages), reader.read_pages([pages[0] + 1, pages[1] + 1])
 
 
@@ -121,6 +121,8 @@ def test_loss_and_sample_mismatch_fail():
     assert not compare_fingerprints(Fingerprint(float("nan"), s, 4), ref).passed
     # tolerance is configurable and documented
     assert compare_fingerprints(Fingerprint(3.2, s, 4), ref, Tolerance(loss_atol=0.5)).passed
+    # The same numbers answered for another challenge prove nothing about this one.
+    assert not compare_fingerprints(Fingerprint(3.0, s, 4, nonce="other"), ref).passed
     assert Fingerprint.from_dict(ref.to_dict()) == ref
 
 

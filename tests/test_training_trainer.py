@@ -28,7 +28,7 @@ def _model(reader, seed=0):
 
 
 def _batch(reader, counter, count=2, uid=0):
-    pages = assign_pages(run_id="t", uid=uid, epoch=0, counter=counter, num_pages=reader.num_pages, count=count)
+    pages = assign_pages(run_id="t", uid=uid, epoch=0, page_counter=counter, num_pages=reader.num_pages, count=count)
     return reader.read_pages(pages)
 
 

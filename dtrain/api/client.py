@@ -4,7 +4,10 @@ Miners are untrusted, so every call is bounded and fails only with ApiError:
 - one total deadline per call (connect, headers and body together), checked on every
   socket read, so a miner trickling bytes cannot hold a validator past ``timeout``;
 - capped body sizes, read in chunks, so a miner cannot exhaust memory;
-- strict JSON (no NaN/Infinity, nesting errors caught).
+- strict JSON (no NaN/Infinity, nesting errors caught);
+- typed answers: Train and AllReduce answers must parse as their message types
+  (``dtrain.api.messages``) or the call fails; ``/v1/status`` is read field by field,
+  a bad field reading as unknown.
 
 http.client (stdlib) keeps the client usable from any thread without an event loop,
 and sends the request target byte-for-byte as signed. It is used directly rather
@@ -23,7 +26,13 @@ import socket
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
+
+from dtrain.api.messages import (
+    AllReduceRequest, AllReduceResponse, Message, PayloadError, StatusResponse, TrainRequest, TrainResponse,
+)
+
+M = TypeVar("M", bound=Message)
 
 _CHUNK = 1 << 16
 MAX_JSON_BYTES = 16 << 20  # generous for any status/train/allreduce answer
@@ -282,19 +291,30 @@ class MinerClient:
         return self._call(api, miner_hotkey, method, target, body, timeout=timeout, read=read,
                           content_type="application/json" if payload is not None else None)
 
+    def _typed(self, answer: dict, message: type[M], api: str, *, lenient: bool = False) -> M:
+        try:
+            return message.parse(answer, lenient=lenient)
+        except PayloadError as exc:
+            raise ApiError(f"malformed {message.__name__}: {_clean(exc)}", url=base_url(api)) from None
+
     # -- endpoints ----------------------------------------------------------------------
 
-    def status(self, api: str, *, timeout: Optional[float] = None) -> dict:
-        """GET /v1/status (public, unsigned)."""
-        return self._json_call(api, None, "GET", "/v1/status", timeout=timeout)
+    def status(self, api: str, *, timeout: Optional[float] = None) -> StatusResponse:
+        """GET /v1/status (public, unsigned); a field that breaks its rule reads as None."""
+        return self._typed(self._json_call(api, None, "GET", "/v1/status", timeout=timeout), StatusResponse, api,
+                           lenient=True)
 
-    def train(self, api: str, miner_hotkey: str, request: dict, *, timeout: Optional[float] = None) -> dict:
-        """POST /v1/train with a signed challenge; returns the miner's JSON answer."""
-        return self._json_call(api, miner_hotkey, "POST", "/v1/train", request, timeout)
+    def train(self, api: str, miner_hotkey: str, request: TrainRequest, *,
+              timeout: Optional[float] = None) -> TrainResponse:
+        """POST /v1/train with a signed challenge; the miner's answer, parsed."""
+        answer = self._json_call(api, miner_hotkey, "POST", "/v1/train", request.to_json(), timeout)
+        return self._typed(answer, TrainResponse, api)
 
-    def allreduce(self, api: str, miner_hotkey: str, request: dict, *, timeout: Optional[float] = None) -> dict:
-        """POST /v1/allreduce; returns ``{"joined": bool, "round": ...}``."""
-        return self._json_call(api, miner_hotkey, "POST", "/v1/allreduce", request, timeout)
+    def allreduce(self, api: str, miner_hotkey: str, request: AllReduceRequest, *,
+                  timeout: Optional[float] = None) -> AllReduceResponse:
+        """POST /v1/allreduce; the miner's answer when its round is over, parsed."""
+        answer = self._json_call(api, miner_hotkey, "POST", "/v1/allreduce", request.to_json(), timeout)
+        return self._typed(answer, AllReduceResponse, api)
 
     def metrics(self, api: str, *, timeout: Optional[float] = None) -> str:
         def read(response: http.client.HTTPResponse, url: str, deadline: float) -> str:

@@ -6,8 +6,9 @@ Request pipeline for a signed endpoint, in order, each step able to end it:
 2. btauth/1 verification (``bittensor.http_auth``)     → 401 (no handler call)
 3. ``is_allowed(caller_hotkey)``                       → 403 (no handler call)
 4. Content-Type / JSON parse                           → 415 / 400
-5. schema check (``dtrain.api.schema``)                → 422
-6. handler in a thread pool                            → 200, or the handler's
+5. parse into the endpoint's message type, then this
+   miner's limits (``dtrain.api.messages``)             → 422
+6. handler in a thread pool, with the typed request    → 200, or the handler's
    :class:`HandlerError` status, or 500 (logged; details not echoed)
 
 Signature checks come before parsing so unauthenticated input is never parsed
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
@@ -31,12 +33,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from dtrain.api import schema
+from dtrain.api.messages import (
+    API_VERSION, AllReduceRequest, AllReduceResponse, Message, PayloadError, QueryLimits, StateSliceRequest,
+    StatusResponse, TrainRequest, TrainResponse,
+)
+from dtrain.api.openapi import openapi_document
 
 log = logging.getLogger("dtrain.api")
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: challenges are tiny; anything larger is abuse
-DEFAULT_MAX_SLICE = 64 << 20  # 64 MiB per state-slice request
 # Endpoint label values; unknown paths collapse to one label so a fuzzer or
 # scanner cannot blow up metric cardinality.
 _ENDPOINTS = {
@@ -62,11 +67,12 @@ class HandlerError(Exception):
 
 @dataclass
 class Handlers:
-    """Callables the neuron provides. All run in worker threads."""
+    """Callables the neuron provides. All run in worker threads and get parsed, checked requests
+    (and the caller's hotkey); ``status``' ``api_version`` and ``hotkey`` are filled in here."""
 
-    status: Callable[[], dict]
-    train: Callable[[dict, str], dict]
-    allreduce: Callable[[dict, str], dict]
+    status: Callable[[], StatusResponse]
+    train: Callable[[TrainRequest, str], TrainResponse]
+    allreduce: Callable[[AllReduceRequest, str], AllReduceResponse]
     state_slice: Callable[[int, int], bytes]
 
 
@@ -91,7 +97,8 @@ class MinerApiServer:
     ``self_hotkey`` is the miner's hotkey ss58: requests must be signed *for*
     it (btauth/1 receiver binding). ``is_allowed(hotkey)`` decides who may call
     signed endpoints (validator permit); it runs in a worker thread and may
-    query the chain; if it raises, the request gets 503.
+    query the chain; if it raises, the request gets 503. ``limits`` are this
+    miner's own bounds beyond the protocol's (pages, deadline, slice size).
     """
 
     def __init__(
@@ -103,7 +110,7 @@ class MinerApiServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_body_bytes: int = DEFAULT_MAX_BODY,
-        max_slice_bytes: int = DEFAULT_MAX_SLICE,
+        limits: QueryLimits = QueryLimits(),
         max_age: float = 10.0,
         allowed_skew: float = 2.0,
         handler_workers: int = 2,
@@ -119,7 +126,7 @@ class MinerApiServer:
         self.host = host
         self.port = int(port)
         self.max_body_bytes = int(max_body_bytes)
-        self.max_slice_bytes = int(max_slice_bytes)
+        self.limits = limits
         self.max_age = float(max_age)
         self.allowed_skew = float(allowed_skew)
         # Per-server replay cache, retained past the whole freshness window.
@@ -150,7 +157,7 @@ class MinerApiServer:
             max_workers=2, thread_name_prefix="dtrain-api-light"
         )
         self._openapi = json.dumps(
-            schema.openapi_document(max_body_bytes=self.max_body_bytes, max_slice_bytes=self.max_slice_bytes)
+            openapi_document(max_body_bytes=self.max_body_bytes, max_slice_bytes=limits.max_slice_bytes)
         )
         self.app = self._build_app()
         self._runner: Optional[web.AppRunner] = None
@@ -163,8 +170,8 @@ class MinerApiServer:
         # client_max_size is a second line of defence; the pipeline checks too.
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware])
         app.router.add_get("/v1/status", self._status)
-        app.router.add_post("/v1/train", self._signed_json("train"))
-        app.router.add_post("/v1/allreduce", self._signed_json("allreduce"))
+        app.router.add_post("/v1/train", self._signed_json("train", TrainRequest, TrainResponse))
+        app.router.add_post("/v1/allreduce", self._signed_json("allreduce", AllReduceRequest, AllReduceResponse))
         app.router.add_get("/v1/state-slice", self._state_slice)
         app.router.add_post("/v1/state-slice", self._state_slice)
         app.router.add_get("/metrics", self._metrics)
@@ -259,28 +266,30 @@ class MinerApiServer:
 
     async def _status(self, request: web.Request) -> web.Response:
         result = await self._run(self._light, self.handlers.status)
-        if not isinstance(result, dict):
-            raise TypeError("status handler must return a dict")
-        body = {"api_version": schema.API_VERSION, "hotkey": self.self_hotkey}
-        body.update(result)
-        return web.json_response(body)
+        if not isinstance(result, StatusResponse):
+            raise TypeError("status handler must return a StatusResponse")
+        result = dataclasses.replace(result, api_version=API_VERSION, hotkey=self.self_hotkey)
+        return web.json_response(result.to_json())
 
-    def _signed_json(self, name: str):
-        validate = schema.VALIDATORS[name]
+    def _checked(self, parse: Callable[[], Message]) -> Any:
+        """The request as its message type, within this miner's limits; else 422 naming the field."""
+        try:
+            message = parse()
+            self.limits.check(message)
+        except PayloadError as exc:
+            raise _Reject(422, str(exc)) from None
+        return message
 
+    def _signed_json(self, name: str, request_type: type[Message], response_type: type[Message]):
         async def endpoint(request: web.Request) -> web.Response:
             raw = await self._read_body(request)
             caller = await self._authenticate(request, raw)
             payload = self._parse_json(request, raw)
-            try:
-                validate(payload)
-            except schema.PayloadError as exc:
-                raise _Reject(422, str(exc)) from None
-            handler = getattr(self.handlers, name)
-            result = await self._run(self._heavy, handler, payload, caller)
-            if not isinstance(result, dict):
-                raise TypeError(f"{name} handler must return a dict")
-            return web.json_response(result)
+            message = self._checked(lambda: request_type.parse(payload))
+            result = await self._run(self._heavy, getattr(self.handlers, name), message, caller)
+            if not isinstance(result, response_type):
+                raise TypeError(f"{name} handler must return a {response_type.__name__}")
+            return web.json_response(result.to_json())
 
         return endpoint
 
@@ -288,26 +297,19 @@ class MinerApiServer:
         raw = await self._read_body(request)
         await self._authenticate(request, raw)
         if request.method == "POST":
-            params = self._parse_json(request, raw)
-            if not isinstance(params, dict):
-                raise _Reject(422, "body must be a JSON object {offset, length}")
+            payload = self._parse_json(request, raw)
+            wanted = self._checked(lambda: StateSliceRequest.parse(payload))
         else:
-            params = dict(request.query)
-        offset = _nonneg_int(params.get("offset"), "offset")
-        length = _nonneg_int(params.get("length"), "length")
-        if length < 1:
-            raise _Reject(422, "field 'length' must be >= 1")
-        if length > self.max_slice_bytes:
-            raise _Reject(422, f"field 'length' must be <= {self.max_slice_bytes}")
-        data = await self._run(self._heavy, self.handlers.state_slice, offset, length)
+            wanted = self._checked(lambda: StateSliceRequest.from_query(request.query))
+        data = await self._run(self._heavy, self.handlers.state_slice, wanted.offset, wanted.length)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError("state_slice handler must return bytes")
-        data = bytes(data)[:length]
+        data = bytes(data)[:wanted.length]
         self._slice_bytes.inc(len(data))
         return web.Response(
             body=data,
             content_type="application/octet-stream",
-            headers={"X-Dtrain-Offset": str(offset)},
+            headers={"X-Dtrain-Offset": str(wanted.offset)},
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -400,12 +402,3 @@ class MinerApiServer:
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
-
-def _nonneg_int(value: Any, name: str) -> int:
-    if isinstance(value, str):
-        if not value.isascii() or not value.isdigit() or len(value) > 18:
-            raise _Reject(422, f"field {name!r} must be a non-negative integer")
-        return int(value)
-    if type(value) is int and value >= 0:
-        return value
-    raise _Reject(422, f"field {name!r} must be a non-negative integer")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from dtrain.chain.commitment import MinerCommitment
 
@@ -77,7 +77,9 @@ class WeightsStatus:
 
 @dataclass
 class ChainHealth:
-    """Outage tracking shared by the backends, read by dashboards.
+    """The one record of whether the chain answers: every backend call updates it
+    (``dtrain.chain.retry``), and neurons mirror it into their telemetry through
+    ``subscribe`` (dashboard, logs, ``dtrain_chain_up``).
 
     Thread-safe: the miner's API thread and its main loop may both touch it.
     """
@@ -87,17 +89,32 @@ class ChainHealth:
     last_error_at: Optional[float] = None
     consecutive_failures: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _listeners: list = field(default_factory=list, repr=False, compare=False)
+
+    def subscribe(self, listener: Callable[[bool, str], None]) -> None:
+        """``listener(ok, detail)`` runs after every recorded call; it must be quick."""
+        self._listeners.append(listener)
+
+    def _notify(self, ok: bool, detail: str) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(ok, detail)
+            except Exception:  # a broken display must never fail a chain call
+                pass
 
     def record_ok(self) -> None:
         with self._lock:
             self.last_ok = time.time()
             self.consecutive_failures = 0
+        self._notify(True, "")
 
     def record_error(self, error: BaseException | str) -> None:
         with self._lock:
             self.last_error = str(error) or type(error).__name__
             self.last_error_at = time.time()
             self.consecutive_failures += 1
+            detail = self.last_error
+        self._notify(False, detail)
 
     @property
     def ok(self) -> bool:

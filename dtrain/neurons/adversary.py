@@ -36,10 +36,9 @@ def copycat_uid(uid: int) -> int:
     return uid - 1 if uid > 0 else uid + 1
 
 
-def fabricated_microbatches(samples: int, micro_batch_size: int, nonce: str,
-                            last_loss: float | None) -> list[dict]:
-    """Plausible-looking answers computed from nothing."""
-    from dtrain.training.fingerprint import DEFAULT_K
+def fabricated_fingerprints(samples: int, micro_batch_size: int, nonce: str, last_loss: float | None) -> list:
+    """Plausible-looking micro-batch fingerprints computed from nothing."""
+    from dtrain.training.fingerprint import DEFAULT_K, Fingerprint
 
     rng = random.Random(hashlib.sha256(nonce.encode()).digest())
     out = []
@@ -48,8 +47,8 @@ def fabricated_microbatches(samples: int, micro_batch_size: int, nonce: str,
     while remaining > 0:
         n = min(micro_batch_size, remaining)
         remaining -= n
-        out.append({"loss": base + rng.uniform(-0.2, 0.2), "sketch": [rng.gauss(0, 1) for _ in range(DEFAULT_K)],
-                    "samples": n, "nonce": nonce})
+        out.append(Fingerprint(loss=base + rng.uniform(-0.2, 0.2), sketch=tuple(rng.gauss(0, 1) for _ in range(DEFAULT_K)),
+                               samples=n, nonce=nonce))
     return out
 
 

@@ -1,4 +1,5 @@
-"""What miners and validators share: chain reads, peers, the swarm, sync state, files.
+"""What miners and validators share: registration, chain reads, peers, the swarm, the
+optimizer step of a round, catching up, checkpoints and the status file.
 
 Both roles hold a replica of the model that must stay identical to the swarm's,
 join the DHT through the chain's commitments, and publish a status snapshot.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.config import Config
@@ -15,7 +17,19 @@ from dtrain.telemetry import Telemetry, write_status_file
 
 log = logging.getLogger("dtrain.neuron")
 
-MAX_UIDS = 256  # page-assignment constant shared by every peer of a subnet (see training.data)
+REGISTRATION_BACKOFF_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class CatchUpTarget:
+    """The state a catch-up must reach.
+
+    ``epoch`` and ``digest`` are set when someone named them (a validator's query, or
+    what most miners report); None means "any peer state that is not older than ours".
+    """
+
+    epoch: int | None = None
+    digest: str | None = None
 
 
 class NeuronBase:
@@ -33,17 +47,61 @@ class NeuronBase:
 
     # Set by the subclasses' run(): chain, dir, bench, trainer, node, swarm.
 
+    # ------------------------------------------------------------------ chain
+
+    def _open_chain(self, wallet) -> None:
+        """Open the configured chain. Its backend records the health of every call; the
+        dashboard, logs and /metrics mirror that record rather than keeping their own."""
+        from dtrain.neurons.runtime import open_chain_for
+
+        self.chain = open_chain_for(self.cfg, wallet=wallet)
+        self.chain.health.subscribe(lambda ok, detail: self.tel.health("chain", ok=ok, detail=detail))
+
+    def _wait_for_registration(self, *, need_permit: bool) -> int | None:
+        """This hotkey's uid, once the chain has one; None if stopped (Ctrl-C) while waiting.
+
+        While the chain cannot be reached, or the hotkey is not registered yet, it retries
+        with backoff and says which of the two it is waiting for (once each). A validator
+        also needs a permit: without one miners refuse its queries, so that is an error.
+        """
+        from dtrain.chain.base import ChainError
+        from dtrain.neurons.runtime import NeuronError
+
+        netuid = self.cfg.chain.netuid
+        delay, said = 1.0, set()
+
+        def once(key: str, message: str) -> None:
+            if key not in said:
+                said.add(key)
+                self.tel.event(message)
+
+        while not self.stop.is_set():
+            try:
+                me = next((n for n in self.chain.neurons() if n.hotkey == self.hotkey), None)
+            except ChainError as exc:
+                once("unreachable", f"cannot reach the chain ({self.cfg.chain.network}): {exc}; retrying")
+            else:
+                if me is not None:
+                    if need_permit and not me.validator_permit:
+                        raise NeuronError(f"uid {me.uid} has no validator permit on netuid {netuid}; "
+                                          "miners will refuse its queries (stake more to earn a permit)")
+                    return me.uid
+                once("unregistered", f"hotkey {self.hotkey} is not registered on netuid {netuid}; waiting. "
+                                     f"Register it with: btcli subnet register --netuid {netuid}")
+            self.stop.wait(delay)
+            delay = min(delay * 2, REGISTRATION_BACKOFF_MAX_S)
+        return None
+
     def _commitments(self) -> dict:
-        """Miners' commitments by hotkey; {} (and a red chain light) while the chain is down."""
+        """Miners' commitments by hotkey; {} while the chain is down (its health shows it)."""
         from dtrain.chain.base import ChainError
 
         try:
-            found = self.chain.commitments()
-            self.tel.health("chain", ok=True)
-            return found
-        except ChainError as exc:
-            self.tel.health("chain", ok=False, detail=str(exc))
+            return self.chain.commitments()
+        except ChainError:
             return {}
+
+    # ------------------------------------------------------------------ swarm
 
     def _start_swarm(self, commitments: dict) -> None:
         from dtrain.neurons import runtime
@@ -99,13 +157,33 @@ class NeuronBase:
                 log.debug("bootstrap attempt failed: %r", exc)
         self.tel.update(peers_seen=self.node.num_known_peers())
 
-    def _catch_up(self, *, epoch: int | None = None, digest: str | None = None) -> bool:
+    def _apply_round(self, record, averaged):
+        """Take the optimizer step every peer of a successful round takes; return its StepMetrics.
+
+        ``averaged`` holds the round's mean gradient; every peer that averaged the same bits
+        applies the same step, so the replicas stay identical. Returns None (and changes
+        nothing) when the round failed or its result is not finite.
+        """
+        import torch
+
+        if not record.ok or not all(bool(torch.isfinite(t).all()) for t in averaged):
+            return None
+        with self.model_lock:
+            params = self.trainer.params
+            self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(averaged, params)], num_samples=1)
+            metrics = self.trainer.step()
+            self.epoch += 1
+            self.trainer.counters.epoch = self.epoch
+            self._refresh_digest()
+        self.swarm.set_state_priority(self.epoch)
+        return metrics
+
+    def _catch_up(self, target: CatchUpTarget = CatchUpTarget()) -> bool:
         """Adopt a peer's model state; True on success.
 
-        Any DHT peer can offer state, so what arrives is checked before it is kept: it must be
-        at ``epoch`` and hash to ``digest`` when the caller knows them (from a validator's
-        query, or from what most miners report), and never older than ours. Otherwise our
-        own state is put back.
+        Any DHT peer can offer state, so what arrives is checked before it is kept: it must
+        reach ``target`` where that names an epoch or digest, and never be older than ours.
+        Otherwise our own state is put back.
         """
         from dtrain.neurons.sync import import_state
 
@@ -129,9 +207,9 @@ class NeuronBase:
             problem = ""
             if new_epoch < own_meta["epoch"]:
                 problem = f"it is older (epoch {new_epoch} < {own_meta['epoch']})"
-            elif epoch is not None and new_epoch != epoch:
-                problem = f"it is at epoch {new_epoch}, expected {epoch}"
-            elif digest is not None and self._digest != digest:
+            elif target.epoch is not None and new_epoch != target.epoch:
+                problem = f"it is at epoch {new_epoch}, expected {target.epoch}"
+            elif target.digest is not None and self._digest != target.digest:
                 problem = "its parameters differ from the swarm's"
             if problem:
                 import_state(self.trainer, own_meta, own_tensors)
@@ -148,25 +226,26 @@ class NeuronBase:
 
         self._digest = params_digest(self.trainer)
 
+    # ------------------------------------------------------------------ files
+
     def _save_checkpoint(self, *, uid: int) -> None:
         from dtrain.training.checkpoint import save_checkpoint
         from dtrain.training.loop import LoopState, training_state
 
-        # The cursor is saved as 0: gradients of a half-filled local batch are not kept, so a
-        # resumed miner re-trains the epoch's pages from the start rather than skipping them.
+        # Checkpoints are taken at round boundaries with page counter 0: gradients of a
+        # half-filled local batch are not kept, so a resumed miner re-trains the epoch's
+        # pages from the start rather than skipping them.
         with self.model_lock:
-            state = training_state(self.trainer, LoopState(run_id=self.bench.run_id, uid=uid, epoch=self.epoch,
-                                                           cursor=0, max_uids=MAX_UIDS))
+            state = training_state(self.trainer, LoopState(run_id=self.bench.run_id, uid=uid, epoch=self.epoch))
         save_checkpoint(self.dir / "checkpoints", state)
 
     def _resume(self, *, uid: int) -> bool:
         """Load this neuron's checkpoint if it has one; returns whether it did."""
         from dtrain.training.loop import LoopState, resume_or_start
 
-        fresh = LoopState(run_id=self.cfg.model.run_id, uid=uid, max_uids=MAX_UIDS)
+        fresh = LoopState(run_id=self.cfg.model.run_id, uid=uid)
         state = resume_or_start(self.trainer, self.dir / "checkpoints", fresh)
         self.epoch = state.epoch
-        self.cursor = state.cursor
         self.trainer.counters.epoch = self.epoch
         self._refresh_digest()
         return state is not fresh

@@ -15,7 +15,7 @@ from typing import Iterable
 log = logging.getLogger("dtrain.discovery")
 
 
-def _status(api: str, timeout: float) -> dict | None:
+def _status(api: str, timeout: float):
     from dtrain.api.client import ApiError, MinerClient
 
     try:
@@ -35,10 +35,7 @@ def peer_maddrs(commitments: Iterable, *, exclude_peer: str = "", timeout: float
         docs = list(pool.map(lambda c: _status(c.api, timeout), targets))
     found: list[str] = []
     for commitment, doc in zip(targets, docs):
-        maddrs = doc.get("maddrs") if doc else None
-        if not isinstance(maddrs, list):
-            continue
-        for maddr in maddrs:
-            if isinstance(maddr, str) and maddr.rstrip("/").endswith("/p2p/" + commitment.peer_id):
+        for maddr in (doc.maddrs or ()) if doc is not None else ():
+            if maddr.rstrip("/").endswith("/p2p/" + commitment.peer_id):
                 found.append(maddr)
     return found

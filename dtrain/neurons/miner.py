@@ -19,12 +19,14 @@ import math
 import threading
 import time
 from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import Any
 
 from dtrain import __version__
+from dtrain.api.messages import (
+    AllReduceRequest, AllReduceResponse, MicroBatchReport, StatusResponse, TrainRequest, TrainResponse,
+)
 from dtrain.config import Config
 from dtrain.neurons import adversary as adv
-from dtrain.neurons.base import MAX_UIDS, NeuronBase
+from dtrain.neurons.base import CatchUpTarget, NeuronBase
 from dtrain.neurons.jobs import JobQueue
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.training.errors import DataSourceError
@@ -33,8 +35,8 @@ from dtrain.telemetry import Telemetry
 log = logging.getLogger("dtrain.miner")
 
 PEER_REFRESH_S = 10.0
-# Limits on what one validator query may ask of this miner (a permitted validator is trusted
-# to query, not to freeze the training thread for a day or exhaust memory).
+# The most Train pages one validator query may ask of this miner (a permitted validator is
+# trusted to query, not to freeze the training thread for a day or exhaust memory).
 MAX_QUERY_PAGES = 64
 DATA_RETRY_S = 5.0
 
@@ -50,9 +52,9 @@ class Miner(NeuronBase):
         self.kind = adversary or "honest"
         self.max_rounds = max_rounds
         self.jobs = JobQueue()
-        self.cursor = 0
+        self.page_counter = 0  # pages of our own assignment trained this epoch
         self.rounds_done = 0
-        self._needs_catch_up = False
+        self._pending_catch_up: CatchUpTarget | None = None
         self._pending_commit = None
         self._post_round = False
         self._last_loss: float | None = None
@@ -69,8 +71,8 @@ class Miner(NeuronBase):
         wallet = runtime.load_wallet(cfg)
         self.hotkey = wallet.hotkey.ss58_address
         self.tel.update(hotkey=self.hotkey, state="connecting to chain")
-        self.chain = runtime.open_chain_for(cfg, wallet=wallet)
-        self.uid = self._wait_for_registration()
+        self._open_chain(wallet)
+        self.uid = self._wait_for_registration(need_permit=False)
         if self.uid is None:
             return 0  # stopped (Ctrl-C) while waiting for registration
         self.dir = node_dir(cfg, "miner", self.hotkey)
@@ -101,28 +103,11 @@ class Miner(NeuronBase):
             self._shutdown()
         return 0
 
-    def _wait_for_registration(self) -> int | None:
-        from dtrain.chain.base import ChainError
-
-        uid = None
-        delay = 1.0
-        while uid is None and not self.stop.is_set():
-            try:
-                uid = self.chain.uid(self.hotkey)
-                self.tel.health("chain", ok=True)
-            except ChainError as exc:
-                self.tel.health("chain", ok=False, detail=str(exc))
-            if uid is None:
-                if self.cfg.chain.network != "sandbox" and delay == 1.0:
-                    self.tel.event(f"hotkey {self.hotkey} is not registered on netuid {self.cfg.chain.netuid}; "
-                                   f"register it with: btcli subnet register --netuid {self.cfg.chain.netuid}")
-                self.stop.wait(delay)
-                delay = min(delay * 2, 30.0)
-        return uid
-
     def _start_api(self) -> None:
+        from dtrain.api.messages import QueryLimits
         from dtrain.api.server import Handlers, MinerApiServer
         from dtrain.chain.permits import ValidatorPermits
+        from dtrain.neurons.deadlines import max_accepted_deadline_s
 
         a = self.cfg.api
         self.server = MinerApiServer(
@@ -130,6 +115,7 @@ class Miner(NeuronBase):
                      state_slice=self._state_slice),
             self_hotkey=self.hotkey, is_allowed=ValidatorPermits(self.chain, refresh_s=30.0),
             host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
+            limits=QueryLimits(max_pages=MAX_QUERY_PAGES, max_deadline_s=max_accepted_deadline_s(self.cfg.allreduce)),
         )
         from dtrain.metrics import register
 
@@ -157,11 +143,10 @@ class Miner(NeuronBase):
                               "hub.repo)") from None
         try:
             self.chain.commit(record)
-            self.tel.health("chain", ok=True)
             self.tel.event(f"committed peer {record.peer_id[:12]}… api {record.api}")
-        except ChainError as exc:
-            # Keep training; the peer refresher commits again after the outage.
-            self.tel.health("chain", ok=False, detail=str(exc))
+        except ChainError:
+            # Keep training (the chain's health shows the outage); the peer refresher
+            # commits again once the chain answers.
             self._pending_commit = record
             return
         self._pending_commit = None
@@ -202,7 +187,7 @@ class Miner(NeuronBase):
     # ------------------------------------------------------------------ main loop
 
     def _loop(self) -> None:
-        last_publish = 0.0
+        last_status = 0.0
         while not self.stop.is_set():
             self.jobs.run_pending()
             if self._post_round:
@@ -211,11 +196,10 @@ class Miner(NeuronBase):
                 if self.epoch % self.cfg.miner.checkpoint_every == 0:
                     self._checkpoint()
                 self._push()
-            if self._needs_catch_up:
-                wanted = self._needs_catch_up
-                self._needs_catch_up = False
-                if self._catch_up(**(wanted if isinstance(wanted, dict) else {})):
-                    self.cursor = 0
+            if self._pending_catch_up is not None:
+                target, self._pending_catch_up = self._pending_catch_up, None
+                if self._catch_up(target):
+                    self.page_counter = 0
                     self._checkpoint()
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
@@ -224,9 +208,9 @@ class Miner(NeuronBase):
             else:
                 self.jobs.run_pending(wait_s=0.2)
             now = time.monotonic()
-            if now - last_publish > 1.0:
-                self._publish()
-                last_publish = now
+            if now - last_status > 1.0:
+                self._refresh_status()
+                last_status = now
 
     def _wants_more_data(self) -> bool:
         if self.kind == "lazy":
@@ -239,21 +223,21 @@ class Miner(NeuronBase):
         from dtrain.training.data import assign_pages
 
         reader = self.bench.reader
-        page = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, counter=self.cursor,
-                            num_pages=reader.num_pages, count=1, max_uids=MAX_UIDS)
+        page = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, page_counter=self.page_counter,
+                            num_pages=reader.num_pages, count=1)
         t0 = time.perf_counter()
         try:
             tokens_in = reader.read_pages(page)
         except DataSourceError as exc:
             # A streaming hiccup (e.g. a Hub timeout) costs one page, not the miner.
             self.tel.event(f"data page {page[0]} unavailable ({exc}); skipping it, retrying in {DATA_RETRY_S:.0f}s")
-            self.cursor += 1
+            self.page_counter += 1
             self._data_retry_at = time.monotonic() + DATA_RETRY_S
             return
         with self.model_lock:
             results = self.trainer.accumulate(tokens_in)
         elapsed = max(time.perf_counter() - t0, 1e-9)
-        self.cursor += 1
+        self.page_counter += 1
         tokens = sum(r.samples for r in results) * self.cfg.model.seq_len
         loss = sum(r.loss for r in results) / len(results)
         self._last_loss = loss
@@ -265,44 +249,42 @@ class Miner(NeuronBase):
 
     # ------------------------------------------------------------------ API handlers (server threads)
 
-    def _status(self) -> dict:
+    def _status(self) -> StatusResponse:
         snap = self.tel.snapshot()
-        return {
-            "version": __version__, "uid": self.uid, "epoch": self.epoch, "kind": "miner",
-            "samples": self.trainer.counters.samples, "samples_accumulated": self.trainer.accumulated_samples,
-            "inner_step": self.trainer.counters.inner_step, "model_fingerprint": self.bench.fingerprint,
-            "params_digest": self._digest, "peer_id": self.node.peer_id,
-            "maddrs": self._maddrs, "loss": snap.loss, "state": snap.state,
-        }
+        loss = snap.loss if snap.loss is not None and math.isfinite(snap.loss) else None
+        return StatusResponse(
+            version=__version__, uid=self.uid, epoch=self.epoch, kind="miner",
+            samples=self.trainer.counters.samples, samples_accumulated=self.trainer.accumulated_samples,
+            inner_step=self.trainer.counters.inner_step, model_fingerprint=self.bench.fingerprint,
+            params_digest=self._digest, peer_id=self.node.peer_id, maddrs=tuple(self._maddrs), loss=loss,
+            state=snap.state,
+        )
 
-    def _train(self, body: dict, caller: str) -> dict:
+    def _train(self, request: TrainRequest, caller: str) -> TrainResponse:
         from dtrain.api.server import HandlerError
 
-        if int(body["pages"]) > MAX_QUERY_PAGES:
-            raise HandlerError(422, f"field 'pages' must be at most {MAX_QUERY_PAGES} on this miner")
-        future = self.jobs.submit(lambda: self._do_train(body))
+        future = self.jobs.submit(lambda: self._do_train(request))
         try:
             return future.result(timeout=300)
         except FuturesTimeout:
             future.cancel()  # a late answer is useless to the validator: do not train it later
             raise HandlerError(503, "training thread busy; try again") from None
 
-    def _do_train(self, body: dict) -> dict:
+    def _do_train(self, request: TrainRequest) -> TrainResponse:
         from dtrain.api.server import HandlerError
         from dtrain.training.data import assign_pages
 
-        if int(body["epoch"]) != self.epoch:
-            self._behind(body)
-            raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {body['epoch']}")
+        if request.epoch != self.epoch:
+            self._catch_up_if_behind(request.epoch, request.params_digest)
+            raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {request.epoch}")
         reader = self.bench.reader
         page_uid = adv.copycat_uid(self.uid) if self.kind == "copycat" else self.uid
-        pages = assign_pages(run_id=self.bench.run_id, uid=page_uid, epoch=self.epoch, counter=0,
-                             count=int(body["pages"]), num_pages=reader.num_pages, nonce=body["nonce"],
-                             max_uids=MAX_UIDS)
-        mbs = int(body["micro_batch_size"])
+        pages = assign_pages(run_id=self.bench.run_id, uid=page_uid, epoch=self.epoch, page_counter=0,
+                             count=request.pages, num_pages=reader.num_pages, nonce=request.nonce)
+        mbs = request.micro_batch_size
         if self.kind == "lazy":
-            micro = adv.fabricated_microbatches(len(pages) * self.cfg.data.page_sequences, mbs, body["nonce"],
-                                               self._last_loss)
+            prints = adv.fabricated_fingerprints(len(pages) * self.cfg.data.page_sequences, mbs, request.nonce,
+                                                 self._last_loss)
         else:
             previous = self.trainer.config.micro_batch_size
             self.trainer.config.micro_batch_size = mbs  # the validator recomputes with this split
@@ -312,80 +294,63 @@ class Miner(NeuronBase):
                 raise HandlerError(503, f"data unavailable: {exc}") from None
             try:
                 with self.model_lock:
-                    results = self.trainer.accumulate(tokens_in, fingerprint_nonce=body["nonce"])
+                    results = self.trainer.accumulate(tokens_in, fingerprint_nonce=request.nonce)
             finally:
                 self.trainer.config.micro_batch_size = previous
-            micro = [r.fingerprint.to_dict() for r in results]
-        for i, item in enumerate(micro):
-            # The page this micro-batch's first sequence came from.
-            item["page"] = pages[min(i * mbs // self.cfg.data.page_sequences, len(pages) - 1)]
-        return {"uid": self.uid, "epoch": self.epoch, "samples_total": self.trainer.accumulated_samples,
-                "params_digest": self._digest, "microbatches": micro}
+            prints = [r.fingerprint for r in results]
+        micro = tuple(
+            # Each report names the page its micro-batch's first sequence came from.
+            MicroBatchReport(page=pages[min(i * mbs // self.cfg.data.page_sequences, len(pages) - 1)],
+                             loss=fp.loss, sketch=tuple(fp.sketch), samples=fp.samples, nonce=fp.nonce)
+            for i, fp in enumerate(prints))
+        return TrainResponse(uid=self.uid, epoch=self.epoch, samples_total=self.trainer.accumulated_samples,
+                             params_digest=self._digest, microbatches=micro)
 
-    def _allreduce(self, body: dict, caller: str) -> dict:
+    def _allreduce(self, request: AllReduceRequest, caller: str) -> AllReduceResponse:
         from dtrain.api.server import HandlerError
 
         if self.kind == "freeloader":
-            return {"joined": False, "round": None, "epoch": self.epoch, "reason": "not joining"}
-        if float(body["deadline_s"]) > self._max_deadline():
-            raise HandlerError(422, f"field 'deadline_s' must be at most {self._max_deadline():g} on this miner")
-        peer_caps = _peer_caps(body.get("weight_caps"))
-        future = self.jobs.submit(lambda: self._do_round(body, peer_caps))
+            return AllReduceResponse(joined=False, epoch=self.epoch, round=None, reason="not joining")
+        future = self.jobs.submit(lambda: self._do_round(request))
         try:
-            return future.result(timeout=float(body["deadline_s"]) + 120)
+            return future.result(timeout=request.deadline_s + 120)
         except FuturesTimeout:
             future.cancel()
             raise HandlerError(503, "round did not finish in time") from None
 
-    def _max_deadline(self) -> float:
-        a = self.cfg.allreduce
-        return 2 * (a.matchmaking_time * 3 + a.allreduce_timeout)
+    def _catch_up_if_behind(self, epoch: int, digest: str | None) -> None:
+        """A validator queried a later epoch: schedule a catch-up to exactly its state."""
+        if epoch > self.epoch:
+            self._pending_catch_up = CatchUpTarget(epoch=epoch, digest=digest)
 
-    def _behind(self, body: dict) -> None:
-        """A validator queried a later epoch: catch up to exactly its state."""
-        if int(body["epoch"]) > self.epoch:
-            digest = body.get("params_digest")
-            self._needs_catch_up = {"epoch": int(body["epoch"]),
-                                    "digest": digest if isinstance(digest, str) else None}
-
-    def _do_round(self, body: dict, peer_caps: dict[str, float]) -> dict:
-        import torch
-
-        if int(body["epoch"]) != self.epoch:
-            self._behind(body)
-            return {"joined": False, "round": None, "epoch": self.epoch,
-                    "reason": f"miner is at epoch {self.epoch}, round is for epoch {body['epoch']}"}
+    def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
+        if request.epoch != self.epoch:
+            self._catch_up_if_behind(request.epoch, request.params_digest)
+            return AllReduceResponse(joined=False, epoch=self.epoch, round=None,
+                                     reason=f"miner is at epoch {self.epoch}, round is for epoch {request.epoch}")
         samples = self.trainer.accumulated_samples
         # Peers exchange *mean* gradients weighted by sample counts; the trainer keeps sums.
         mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
         # An honest miner never claims more than the cap it was told: a claim above it would be
         # read as inflation (e.g. after a failed round, or with several validators' Train pages).
-        weight = float(min(samples, float(body["weight_cap"])))
+        weight = float(min(samples, request.weight_cap))
         if self.kind == "inflated-weight":
             weight = adv.INFLATED_WEIGHT
         if self.kind == "poisoner":
             mean = adv.poison(mean)
         # With per-peer caps, a peer the validator did not list (it did not verify it) gets none.
-        default_cap = 0.0 if peer_caps else float(body["weight_cap"])
-        info = {"round_id": body["round_id"], "epoch": self.epoch, "weight": weight}
-        self.tel.round_started(info)
+        peer_caps = request.weight_caps or {}
+        default_cap = 0.0 if peer_caps else request.weight_cap
+        self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "weight": weight})
         record = self.swarm.run_round(mean, weight=weight, cap=default_cap,
                                       tokens=samples * self.cfg.model.seq_len,
-                                      timeout_s=float(body["deadline_s"]), peer_caps=peer_caps)
-        result: dict[str, Any] = {"joined": not record.error, "round": record.to_dict()}
-        if record.ok and all(bool(torch.isfinite(t).all()) for t in mean):
-            with self.model_lock:
-                self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(mean, self.trainer.params)],
-                                           num_samples=1)
-                metrics = self.trainer.step()
-                self.epoch += 1
-                self.trainer.counters.epoch = self.epoch
-                self._refresh_digest()
-            self.swarm.set_state_priority(self.epoch)
-            self.cursor = 0  # page counters restart with each epoch's fresh permutation
+                                      timeout_s=request.deadline_s, peer_caps=peer_caps)
+        metrics = self._apply_round(record, mean)
+        if metrics is not None:
+            self.page_counter = 0  # page counters restart with each epoch's fresh permutation
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
-                self._needs_catch_up = True
+                self._pending_catch_up = CatchUpTarget()
             if math.isfinite(metrics.loss):
                 self.tel.train_metrics(loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
                                        grad_norm=metrics.grad_norm, lr=metrics.lr, epoch=self.epoch,
@@ -396,8 +361,7 @@ class Miner(NeuronBase):
             self._post_round = True
         self.rounds_done += 1
         self.tel.round_finished(record.to_dict())
-        result["epoch"] = self.epoch
-        return result
+        return AllReduceResponse(joined=not record.error, epoch=self.epoch, round=record.to_dict())
 
     def _state_slice(self, offset: int, length: int) -> bytes:
         """Bytes of the current parameters (float32), for the validator's bandwidth check."""
@@ -443,7 +407,8 @@ class Miner(NeuronBase):
         tag = format_tag(self.bench.run_id, self.epoch, self.trainer.counters.inner_step)
         self.pusher.enqueue(export, tag)
 
-    def _publish(self) -> None:
+    def _refresh_status(self) -> None:
+        """Mirror the pusher's health into telemetry and rewrite status.json (for dtrain status)."""
         if self.pusher is not None:
             st = self.pusher.status()
             self.tel.health("hub", ok=st.consecutive_failures == 0, detail=st.last_error or "")
@@ -468,19 +433,3 @@ def _is_loopback(api: str) -> bool:
     except ValueError:
         return False
 
-
-def _peer_caps(raw: Any) -> dict[str, float]:
-    """The validator's per-peer weight limits from an AllReduce query; malformed input is refused."""
-    from dtrain.api.server import HandlerError
-
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict) or len(raw) > 4096:
-        raise HandlerError(422, "field 'weight_caps' must be an object of at most 4096 peer ids")
-    caps = {}
-    for peer, cap in raw.items():
-        if not (isinstance(peer, str) and 0 < len(peer) <= 128 and isinstance(cap, (int, float))
-                and not isinstance(cap, bool) and math.isfinite(cap) and 0 <= cap <= 1e12):
-            raise HandlerError(422, "field 'weight_caps' must map peer ids to numbers in [0, 1e12]")
-        caps[peer] = float(cap)
-    return caps

@@ -2,7 +2,7 @@
 
 The store receives a Hugging Face folder (``config.json`` + weights, via
 ``save_pretrained``), so anyone can ``from_pretrained`` a tag; the full training
-checkpoint (optimizer, data cursor) stays local.
+checkpoint (optimizer, page counter) stays local.
 """
 
 from __future__ import annotations

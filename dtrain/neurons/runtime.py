@@ -165,6 +165,7 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench
 
 
 def averaging_config(cfg: Config, log_path: Path | None):
+    from dtrain.neurons.deadlines import matchmaking_timeout_s
     from dtrain.swarm.averaging import AveragingConfig
 
     if cfg.allreduce.mode != "gradient":
@@ -184,7 +185,7 @@ def averaging_config(cfg: Config, log_path: Path | None):
         request_timeout_s=a.request_timeout,
         allreduce_timeout_s=a.allreduce_timeout,
         sender_timeout_s=min(a.allreduce_timeout, max(5.0, a.allreduce_timeout / 4)),
-        matchmaking_timeout_s=a.matchmaking_time * 3,
+        matchmaking_timeout_s=matchmaking_timeout_s(a),
         compression=a.compression,
         log_path=str(log_path) if log_path else None,
     )

@@ -24,8 +24,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from dtrain.api.messages import AllReduceRequest, AllReduceResponse, StatusResponse, TrainRequest, TrainResponse
 from dtrain.config import Config
-from dtrain.neurons.base import MAX_UIDS, NeuronBase
+from dtrain.neurons.base import CatchUpTarget, NeuronBase
+from dtrain.neurons.deadlines import round_deadline_s
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.telemetry import MinerRow, Telemetry
 
@@ -42,13 +44,13 @@ class Probe:
     hotkey: str
     api: str
     peer_id: str
-    status: dict | None = None
-    train: dict | None = None
+    status: StatusResponse | None = None
+    train: TrainResponse | None = None
     train_error: str = ""
     train_seconds: float = 0.0
     slice_bps: float | None = None
     slice_error: str = ""
-    allreduce: dict | None = None
+    allreduce: AllReduceResponse | None = None
     allreduce_error: str = ""
     checks: list = field(default_factory=list)
     outcome: str = ""
@@ -78,8 +80,8 @@ class Validator(NeuronBase):
         self.wallet = runtime.load_wallet(cfg)
         self.hotkey = self.wallet.hotkey.ss58_address
         self.tel.update(hotkey=self.hotkey, state="connecting to chain")
-        self.chain = runtime.open_chain_for(cfg, wallet=self.wallet)
-        self.uid = self._require_permit()
+        self._open_chain(self.wallet)
+        self.uid = self._wait_for_registration(need_permit=True)
         if self.uid is None:
             return 0  # stopped (Ctrl-C) while waiting for the chain
         self.dir = node_dir(cfg, "validator", self.hotkey)
@@ -90,7 +92,7 @@ class Validator(NeuronBase):
         self.trainer = self.bench.trainer
         self._resume(uid=0)
         self.eval_tokens = self._eval_batch()
-        self.client = MinerClient(self.wallet, timeout=max(60.0, self._deadline() + 60))
+        self.client = MinerClient(self.wallet, timeout=max(60.0, round_deadline_s(cfg.allreduce) + 60))
         self.swarm = None
         try:
             self._start_swarm(self._commitments())
@@ -123,29 +125,6 @@ class Validator(NeuronBase):
             self._shutdown()
         return 0
 
-    def _require_permit(self) -> int | None:
-        from dtrain.chain.base import ChainError
-
-        delay = 1.0
-        while not self.stop.is_set():
-            try:
-                neurons = self.chain.neurons()
-                self.tel.health("chain", ok=True)
-            except ChainError as exc:
-                self.tel.health("chain", ok=False, detail=str(exc))
-                self.stop.wait(delay)
-                delay = min(delay * 2, 30.0)
-                continue
-            me = next((n for n in neurons if n.hotkey == self.hotkey), None)
-            if me is None:
-                raise NeuronError(f"hotkey {self.hotkey} is not registered on netuid {self.cfg.chain.netuid}; "
-                                  f"register it with: btcli subnet register --netuid {self.cfg.chain.netuid}")
-            if not me.validator_permit:
-                raise NeuronError(f"uid {me.uid} has no validator permit on netuid {self.cfg.chain.netuid}; "
-                                  "miners will refuse its queries (stake more to earn a permit)")
-            return me.uid
-        return None
-
     def _shutdown(self) -> None:
         self.tel.update(state="stopping")
         if self.swarm is not None:
@@ -162,9 +141,7 @@ class Validator(NeuronBase):
         self.tel.update(state=f"round {round_no}: reading chain")
         try:
             neurons = self.chain.neurons()
-            self.tel.health("chain", ok=True)
         except ChainError as exc:
-            self.tel.health("chain", ok=False, detail=str(exc))
             self.tel.event(f"round {round_no} skipped: chain unreachable ({exc})")
             return
         commitments = self._commitments()
@@ -197,7 +174,7 @@ class Validator(NeuronBase):
         loss_after = self._eval_loss() if record.ok else loss_before
 
         scores = self._score(probes, record, neurons)
-        weights = self._weights(neurons)
+        weights = self._set_weights(neurons)
         summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
         self.state.add_round(summary)
         from dtrain.validation.state import save_state
@@ -235,16 +212,15 @@ class Validator(NeuronBase):
 
         states = Counter()
         for probe in probes:
-            st = probe.status or {}
-            epoch, digest = st.get("epoch"), st.get("params_digest")
-            if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(digest, str):
-                states[(epoch, digest)] += 1
+            st = probe.status
+            if st is not None and st.epoch is not None and st.params_digest is not None:
+                states[(st.epoch, st.params_digest)] += 1
         if not states:
             return
         (epoch, digest), votes = states.most_common(1)[0]
         if epoch > self.epoch and votes * 2 > len(probes):
             self.tel.event(f"most miners are at epoch {epoch}, this validator at {self.epoch}: catching up")
-            if self._catch_up(epoch=epoch, digest=digest):
+            if self._catch_up(CatchUpTarget(epoch=epoch, digest=digest)):
                 self._save_checkpoint(uid=0)
 
     def _probe(self, probe: Probe, nonce: str) -> None:
@@ -252,11 +228,11 @@ class Validator(NeuronBase):
 
         if probe.status is None or probe.shared_peer_id:
             return
-        body = {"nonce": nonce, "epoch": self.epoch, "pages": self.cfg.validator.pages_per_query,
-                "micro_batch_size": self.cfg.miner.micro_batch_size, "params_digest": self._digest}
+        challenge = TrainRequest(nonce=nonce, epoch=self.epoch, pages=self.cfg.validator.pages_per_query,
+                                 micro_batch_size=self.cfg.miner.micro_batch_size, params_digest=self._digest)
         t0 = time.perf_counter()
         try:
-            probe.train = self.client.train(probe.api, probe.hotkey, body, timeout=300)
+            probe.train = self.client.train(probe.api, probe.hotkey, challenge, timeout=300)
         except ApiError as exc:
             probe.train_error = str(exc)
         probe.train_seconds = time.perf_counter() - t0
@@ -277,28 +253,27 @@ class Validator(NeuronBase):
         from dtrain.training.data import assign_pages
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
         from dtrain.training.trainer import recompute_fingerprints
-        from dtrain.validation.scoring import MicroBatchCheck
+        from dtrain.validation.scoring import MicroBatchCheck, check_from_comparison
 
         self._check_slice(probe)
         if probe.train is None:
             probe.note = probe.note or probe.train_error or "no Train answer"
             return
         answer = probe.train
-        if answer.get("epoch") != self.epoch or answer.get("params_digest") != self._digest:
+        if answer.epoch != self.epoch or answer.params_digest != self._digest:
             # Not a forgery we can prove, but nothing we can verify either: no credit.
-            probe.note = f"out of sync (epoch {answer.get('epoch')}, ours {self.epoch})"
+            probe.note = f"out of sync (epoch {answer.epoch}, ours {self.epoch})"
             return
         reader = self.bench.reader
         mbs = self.cfg.miner.micro_batch_size
-        pages = assign_pages(run_id=self.bench.run_id, uid=probe.uid, epoch=self.epoch, counter=0,
-                             count=self.cfg.validator.pages_per_query, num_pages=reader.num_pages, nonce=nonce,
-                             max_uids=MAX_UIDS)
+        pages = assign_pages(run_id=self.bench.run_id, uid=probe.uid, epoch=self.epoch, page_counter=0,
+                             count=self.cfg.validator.pages_per_query, num_pages=reader.num_pages, nonce=nonce)
         tokens = reader.read_pages(pages)
         expected = math.ceil(tokens.shape[0] / mbs)
-        micro = answer.get("microbatches")
-        if not isinstance(micro, list) or len(micro) != expected:
+        micro = answer.microbatches
+        if len(micro) != expected:
             probe.checks = [MicroBatchCheck(passed=False, similarity=0.0, loss_rel_err=math.inf)]
-            probe.note = f"expected {expected} micro-batches, got {len(micro) if isinstance(micro, list) else 'none'}"
+            probe.note = f"expected {expected} micro-batches, got {len(micro)}"
             return
         count = max(1, math.ceil(self.cfg.validator.recompute_fraction * expected))
         # Chosen with a secret the miner never sees: were it derivable from the nonce, a cheater
@@ -309,15 +284,11 @@ class Validator(NeuronBase):
             x = tokens[index * mbs:(index + 1) * mbs]
             reference = recompute_fingerprints(self.bench.model, x, nonce=nonce, micro_batch_size=mbs,
                                                precision=self.trainer.precision)[0]
-            try:
-                claimed = Fingerprint.from_dict(micro[index])
-            except (KeyError, TypeError, ValueError, OverflowError):
-                checks.append(MicroBatchCheck(passed=False, similarity=0.0, loss_rel_err=math.inf))
-                continue
+            report = micro[index]
+            claimed = Fingerprint(loss=report.loss, sketch=report.sketch, samples=report.samples,
+                                  nonce=report.nonce or "")
             cmp = compare_fingerprints(claimed, reference)
-            rel = cmp.loss_diff / max(abs(reference.loss), 1e-6)
-            checks.append(MicroBatchCheck(passed=cmp.passed and claimed.nonce == nonce, similarity=cmp.cosine,
-                                          loss_rel_err=rel))
+            checks.append(check_from_comparison(cmp, reference.loss))
             if not cmp.passed:
                 probe.note = "; ".join(cmp.reasons)
         probe.checks = checks
@@ -335,31 +306,26 @@ class Validator(NeuronBase):
             probe.slice_bps = 0.0
             probe.slice_error = "state slice does not match the model"
 
-    def _deadline(self) -> float:
-        a = self.cfg.allreduce
-        return a.matchmaking_time * 3 + a.allreduce_timeout
-
     def _weight_cap(self) -> float:
         """The most samples an honest miner brings to a round: its local batch plus our Train pages."""
         return float(self.cfg.miner.local_batch_size
                      + self.cfg.validator.pages_per_query * self.cfg.data.page_sequences)
 
     def _allreduce(self, probes: list[Probe], round_no: int):
-        import torch
-
         from dtrain.api.client import ApiError
 
         # The cap is what we verified: a miner whose Train answer failed gets no weight at all.
         caps = {p.peer_id: (self._weight_cap() if p.checks and all(c.passed for c in p.checks)
                             and not p.shared_peer_id else 0.0) for p in probes}
-        body = {"round_id": f"{self.bench.run_id}-{self.epoch}-{round_no}", "epoch": self.epoch,
-                "weight_cap": self._weight_cap(), "deadline_s": self._deadline(), "weight_caps": caps,
-                "params_digest": self._digest}
-        self.tel.round_started({"round_id": body["round_id"], "epoch": self.epoch, "miners": len(probes)})
+        deadline = round_deadline_s(self.cfg.allreduce)
+        request = AllReduceRequest(round_id=f"{self.bench.run_id}-{self.epoch}-{round_no}", epoch=self.epoch,
+                                   weight_cap=self._weight_cap(), deadline_s=deadline, weight_caps=caps,
+                                   params_digest=self._digest)
+        self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "miners": len(probes)})
 
         def ask(probe: Probe) -> None:
             try:
-                probe.allreduce = self.client.allreduce(probe.api, probe.hotkey, body, timeout=self._deadline() + 60)
+                probe.allreduce = self.client.allreduce(probe.api, probe.hotkey, request, timeout=deadline + 60)
             except ApiError as exc:
                 probe.allreduce_error = str(exc)
 
@@ -367,19 +333,12 @@ class Validator(NeuronBase):
             futures = [pool.submit(ask, p) for p in probes]
             tensors = [z.clone() for z in self.zeros]
             record = self.swarm.run_round(tensors, weight=0.0, cap=0.0,
-                                          expected_peers=[p.peer_id for p in probes], timeout_s=self._deadline(),
+                                          expected_peers=[p.peer_id for p in probes], timeout_s=deadline,
                                           peer_caps=caps)
             for f in futures:
                 f.result()
-        if record.ok and all(bool(torch.isfinite(t).all()) for t in tensors):
-            with self.model_lock:
-                self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(tensors, self.trainer.params)],
-                                           num_samples=1)
-                self.trainer.step()
-                self.epoch += 1
-                self.trainer.counters.epoch = self.epoch
-                self._refresh_digest()
-            self.swarm.set_state_priority(self.epoch)
+        # Joining with weight 0, this replica receives the same average and takes the same step.
+        if self._apply_round(record, tensors) is not None:
             self._save_checkpoint(uid=0)
             if record.fraction_averaged < 1.0:
                 # Part of our replica kept local (zero) values: take a peer's state instead.
@@ -406,7 +365,7 @@ class Validator(NeuronBase):
             # The all-reduce figures in a miner's reply are its own claims, so bandwidth is
             # scored on the state slice this validator timed (and checked) itself.
             train = None
-            miner_ahead = _as_int((probe.status or {}).get("epoch"), -1) > self.epoch
+            miner_ahead = probe.status is not None and (probe.status.epoch or 0) > self.epoch
             if probe.checks or (probe.status is not None and not miner_ahead):
                 # A reachable miner that did not answer the Train challenge (or answered out of
                 # sync) gets an empty check: gated to 0, not "not measured".
@@ -414,7 +373,7 @@ class Validator(NeuronBase):
                 verified = int(self._weight_cap()) if passed else 0
                 claimed = claimed_by_peer.get(probe.peer_id)
                 if claimed is None:
-                    claimed = _as_float((probe.train or {}).get("samples_total"), 0.0)
+                    claimed = float(probe.train.samples_total) if probe.train is not None else 0.0
                 checks = list(probe.checks) if not probe.shared_peer_id else []
                 train = TrainCheck(checks=checks, claimed_samples=int(min(max(claimed, 0.0), 2**62)),
                                    verified_samples=verified)
@@ -428,7 +387,8 @@ class Validator(NeuronBase):
                                                  "note": probe.note, "ema": self.state.ema.scores.get(probe.uid, 0.0)}
         return scores
 
-    def _weights(self, neurons) -> dict[int, float]:
+    def _set_weights(self, neurons) -> dict[int, float]:
+        """Compute weights from the EMA and, when the rate limit allows, set them on chain."""
         from dtrain.chain.base import ChainError
         from dtrain.validation.weights import (
             WeightSetPolicy, compute_weights, record_failure, record_success, should_set,
@@ -442,19 +402,16 @@ class Validator(NeuronBase):
             status = self.chain.weights_status(self.uid)
             block = status.block
             policy = WeightSetPolicy(rate_limit_blocks=status.rate_limit if status.rate_limit is not None else 100)
-        except ChainError as exc:
-            self.tel.health("chain", ok=False, detail=str(exc))
-            return weights
+        except ChainError:
+            return weights  # the chain's health shows the outage; weights are set next round
         if should_set(policy, self.state.weight_set, block):
             uids = sorted(weights)
             try:
                 self.chain.set_weights(uids, [weights[u] for u in uids])
                 self.state.weight_set = record_success(self.state.weight_set, block)
-                self.tel.health("chain", ok=True)
                 self.tel.event(f"weights set at block {block} for {len(uids)} miners")
             except ChainError as exc:
                 self.state.weight_set = record_failure(policy, self.state.weight_set, block, str(exc))
-                self.tel.health("chain", ok=False, detail=str(exc))
                 self.tel.event(f"setting weights failed ({exc}); retrying later")
         return weights
 
@@ -471,7 +428,8 @@ class Validator(NeuronBase):
         return {
             "round": round_no, "epoch": self.epoch, "round_id": record.round_id,
             "status": "success" if record.ok else "failed", "participants": participants,
-            "duration_s": round(record.duration_s, 3), "bytes": record.bytes_sent + record.bytes_received,
+            "duration_s": round(record.duration_s, 3), "allreduce_s": round(record.allreduce_s, 3),
+            "bytes_sent": record.bytes_sent, "bytes_received": record.bytes_received,
             "fraction_averaged": record.fraction_averaged, "error": record.error,
             "loss_before": loss_before, "loss_after": loss_after, "verify_s": round(verify_s, 3),
             "train_query_s": round(sum(p.train_seconds for p in probes), 3), "miners": rows,
@@ -484,8 +442,8 @@ class Validator(NeuronBase):
         from dtrain.training.data import assign_pages
 
         reader = self.bench.reader
-        pages = assign_pages(run_id=self.bench.run_id, uid=0, epoch=0, counter=0, count=EVAL_PAGES,
-                             num_pages=reader.num_pages, nonce="eval", max_uids=MAX_UIDS)
+        pages = assign_pages(run_id=self.bench.run_id, uid=0, epoch=0, page_counter=0, count=EVAL_PAGES,
+                             num_pages=reader.num_pages, nonce="eval")
         return reader.read_pages(pages)
 
     def _eval_loss(self) -> float:
@@ -512,9 +470,9 @@ class Validator(NeuronBase):
     def _update_miner_table(self, weights: dict[int, float]) -> None:
         rows = []
         for uid, s in sorted(self.state.last_scores.items()):
-            rows.append(MinerRow(uid=uid, hotkey=str(s.get("hotkey", "")), gradient=s.get("gradient") or 0.0,
-                                 steps=s.get("steps") or 0.0, bandwidth=s.get("bandwidth") or 0.0,
-                                 allreduce=s.get("participation") or 0.0, score=s.get("combined") or 0.0,
+            rows.append(MinerRow(uid=uid, hotkey=str(s.get("hotkey", "")), gradient=s.get("gradient"),
+                                 steps=s.get("steps"), bandwidth=s.get("bandwidth"),
+                                 allreduce=s.get("participation"), score=s.get("combined"),
                                  ema=self.state.ema.scores.get(uid, 0.0), weight=weights.get(uid, 0.0),
                                  last_outcome=str(s.get("outcome", "")), note=", ".join(s.get("gated") or [])
                                  or str(s.get("note", ""))))
@@ -526,14 +484,3 @@ class Validator(NeuronBase):
         # After a restart the miner table shows the persisted scores straight away.
         self._update_miner_table(compute_weights(self.state.ema.scores))
 
-
-def _as_int(value, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _as_float(value, default: float) -> float:
-    """A number a miner reported, or ``default``: its answers are untrusted input."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return default
-    value = float(value)
-    return value if math.isfinite(value) else default

@@ -29,7 +29,8 @@ Assignment
 ----------
 See ``assign_pages``: a keyed pseudo-random permutation (Feistel network with
 cycle-walking, SHA-256 round function) of the page space, applied to the slot
-``counter * max_uids + uid``.
+``page_counter * max_uids + uid``. A miner's *page counter* is how many of its
+pages it has trained this epoch; it restarts at 0 with every epoch.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ ASSIGNMENT_VERSION = "dtrain/pages/v1"
 # 1024 windows x 32 docs = the first ~32k documents of each FineWeb parquet shard,
 # which bounds a page read to skipping at most that many records.
 REMOTE_WINDOWS_PER_SHARD = 1024
+# Uids a subnet can hold (bittensor's default max_allowed_uids): the stride of the page
+# slots. Every peer must use the same value, or they would assign different pages; it is
+# part of the swarm fingerprint (dtrain.neurons.runtime.swarm_fingerprint).
+MAX_UIDS = 256
 
 
 # --------------------------------------------------------------------------- sources
@@ -159,37 +164,38 @@ def assign_pages(
     run_id: str,
     uid: int,
     epoch: int,
-    counter: int,
+    page_counter: int,
     num_pages: int,
     count: int = 1,
     nonce: str | bytes | None = None,
-    max_uids: int = 256,
+    max_uids: int = MAX_UIDS,
 ) -> list[int]:
-    """The pages miner ``uid`` must train on at ``epoch`` for page counters ``counter .. counter+count-1``.
+    """The pages miner ``uid`` must train on at ``epoch`` for page counters
+    ``page_counter .. page_counter + count - 1``.
 
     Pure function (no I/O, no global state)::
 
         key   = SHA256(len-prefixed "dtrain/pages/v1", run_id, epoch, nonce or "")
-        slot  = (counter * max_uids + uid) mod num_pages
+        slot  = (page_counter * max_uids + uid) mod num_pages
         page  = P_key(slot)        # P: keyed pseudo-random permutation of [0, num_pages)
 
-    Because P is a bijection, two (uid, counter) pairs of the same epoch get the same
-    page only if their slots coincide, i.e. never while ``counter < num_pages / max_uids``
+    Because P is a bijection, two (uid, page_counter) pairs of the same epoch get the same
+    page only if their slots coincide, i.e. never while ``page_counter < num_pages / max_uids``
     (e.g. FineWeb at 8M pages with 256 uids: 32k pages per miner per epoch).
     Across epochs the key changes, so pages are fresh pseudo-random draws (a page may
     recur across epochs with probability ~ pages_used / num_pages). A validator
     ``nonce`` selects a separate permutation for Train challenges. ``max_uids`` must be
-    the same for every peer (256 on a subnet; the sandbox sets its miner count so a
-    small corpus is shared out evenly).
+    the same for every peer: neurons always use :data:`MAX_UIDS`; tests and benchmarks
+    may pass a smaller one to share a small corpus out evenly.
     """
     if num_pages <= 0:
         raise ValueError("num_pages must be positive")
     if not 0 <= uid < max_uids:
         raise ValueError(f"uid {uid} outside [0, {max_uids})")
-    if counter < 0 or epoch < 0 or count < 0:
-        raise ValueError("epoch, counter and count must be non-negative")
+    if page_counter < 0 or epoch < 0 or count < 0:
+        raise ValueError("epoch, page_counter and count must be non-negative")
     key = _key(ASSIGNMENT_VERSION, run_id, epoch, nonce if nonce is not None else "")
-    return [permute(((counter + i) * max_uids + uid) % num_pages, num_pages, key) for i in range(count)]
+    return [permute(((page_counter + i) * max_uids + uid) % num_pages, num_pages, key) for i in range(count)]
 
 
 # ---------------------------------------------------------------------------- pages

@@ -147,7 +147,8 @@ def compare_fingerprints(claimed: Fingerprint, reference: Fingerprint, tol: Tole
     """Compare a miner's fingerprint with the validator's recomputation.
 
     Passes when cosine(sketches) >= min_cosine, | |claimed|/|reference| - 1 | <= norm_rtol,
-    |loss diff| <= loss_atol + loss_rtol * |reference loss|, and the sample counts agree.
+    |loss diff| <= loss_atol + loss_rtol * |reference loss|, and the sample counts and
+    nonces agree (an answer for another challenge proves nothing about this one).
     """
     a = torch.tensor(claimed.sketch, dtype=torch.float64)
     b = torch.tensor(reference.sketch, dtype=torch.float64)
@@ -169,4 +170,6 @@ def compare_fingerprints(claimed: Fingerprint, reference: Fingerprint, tol: Tole
         reasons.append(f"loss differs by {loss_diff:.4g}")
     if claimed.samples != reference.samples:
         reasons.append(f"samples {claimed.samples} != {reference.samples}")
+    if claimed.nonce != reference.nonce:
+        reasons.append("answer is for another nonce")
     return Comparison(not reasons, cos, ratio, loss_diff, tuple(reasons))

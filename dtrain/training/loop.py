@@ -1,9 +1,16 @@
-"""A resumable local training loop over assigned pages (used by the miner and the sandbox).
+"""What a checkpoint holds of a training loop, and a resumable offline loop.
 
-The data cursor is the page counter: step s trains on the pages of counters
-[cursor, cursor + pages_per_step). Checkpoints store the trainer state, the cursor,
-run_id/uid/epoch and the RNG state, so a resumed run continues with the same next
-batch and, on CPU, bit-identical losses.
+``training_state`` / ``restore_training_state`` / ``resume_or_start`` are what the
+miner and the validator checkpoint and resume with (``dtrain.neurons.base``): trainer
+state, run_id/uid/epoch, the page counter and the RNG state.
+
+``run_local_training`` trains on a miner's assigned pages with no swarm: step s
+trains on page counters [page_counter, page_counter + pages_per_step). It saves the
+page counter with every checkpoint, so a resumed loop continues with the same next
+batch and, on CPU, bit-identical losses; benchmarks and the checkpoint tests use it.
+A neuron is different: it checkpoints at round boundaries with page counter 0 (its
+half-filled accumulation is not saved), so a restarted miner re-trains the epoch's
+pages from the start (docs/training.md).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from dtrain.training.checkpoint import load_checkpoint, read_manifest, save_checkpoint
-from dtrain.training.data import PageReader, assign_pages
+from dtrain.training.data import MAX_UIDS, PageReader, assign_pages
 from dtrain.training.errors import CheckpointError
 from dtrain.training.models import model_fingerprint
 from dtrain.training.trainer import StepMetrics, Trainer
@@ -26,8 +33,8 @@ class LoopState:
     run_id: str
     uid: int
     epoch: int = 0
-    cursor: int = 0  # next page counter
-    max_uids: int = 256
+    page_counter: int = 0  # the next page counter to train (dtrain.training.data.assign_pages)
+    max_uids: int = MAX_UIDS
 
 
 def training_state(trainer: Trainer, loop: LoopState) -> dict[str, Any]:
@@ -37,7 +44,7 @@ def training_state(trainer: Trainer, loop: LoopState) -> dict[str, Any]:
         run_id=loop.run_id,
         uid=loop.uid,
         epoch=loop.epoch,
-        data_cursor=loop.cursor,
+        page_counter=loop.page_counter,
         max_uids=loop.max_uids,
         model_fingerprint=model_fingerprint(trainer.model),
         rng={"torch": torch.get_rng_state()},
@@ -66,8 +73,10 @@ def restore_training_state(trainer: Trainer, state: dict[str, Any], *, run_id: s
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     trainer.counters.epoch = int(state["epoch"])
+    # Checkpoints of the first release named the page counter "data_cursor"; they still load.
+    page_counter = state["page_counter"] if "page_counter" in state else state["data_cursor"]
     return LoopState(run_id=state["run_id"], uid=int(state["uid"]), epoch=int(state["epoch"]),
-                     cursor=int(state["data_cursor"]), max_uids=int(state.get("max_uids", 256)))
+                     page_counter=int(page_counter), max_uids=int(state.get("max_uids", MAX_UIDS)))
 
 
 def resume_or_start(trainer: Trainer, checkpoint_dir: str | os.PathLike | None, fresh: LoopState) -> LoopState:
@@ -99,10 +108,10 @@ def run_local_training(
     for _ in range(steps):
         if should_stop is not None and should_stop():
             break
-        pages = assign_pages(run_id=loop.run_id, uid=loop.uid, epoch=loop.epoch, counter=loop.cursor,
+        pages = assign_pages(run_id=loop.run_id, uid=loop.uid, epoch=loop.epoch, page_counter=loop.page_counter,
                              num_pages=num_pages, count=pages_per_step, max_uids=loop.max_uids)
         metrics = trainer.train_step(reader.read_pages(pages))
-        loop.cursor += pages_per_step
+        loop.page_counter += pages_per_step
         if on_step is not None:
             on_step(metrics, loop)
         if checkpoint_dir is not None and checkpoint_every and trainer.counters.inner_step % checkpoint_every == 0:
