@@ -43,7 +43,9 @@ class TelemetryCollector:
             gauge("samples_accumulated", "Samples in the local batch waiting for a round.", s.samples_accumulated),
             gauge("peers", "Peers in the DHT routing table.", s.peers_seen),
             gauge("chain_up", "1 when the last chain call succeeded.", int(s.chain.ok)),
-            gauge("hub_up", "1 when the last model-store push succeeded (or none failed).", int(s.hub.ok)),
+            # Validators never push: no hub gauge rather than a made-up "up".
+            gauge("hub_up", "1 when the last model-store push succeeded (or none failed).",
+                  int(s.hub.ok) if s.role == "miner" else None),
         ):
             if metric is not None:
                 yield metric

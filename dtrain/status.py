@@ -23,25 +23,17 @@ from dtrain.jsonutil import finite_or_none
 log = logging.getLogger("dtrain.status")
 
 
-def _miner_status(api: str, timeout: float) -> dict | None:
-    """A miner's public status, or None. The miner is untrusted: the client bounds
-    the call's total time and size and rejects NaN/Infinity and garbage as ApiError;
-    anything else it might raise is caught too, so one miner never sinks the report."""
+def _miner_status(api: str, timeout: float):
+    """A miner's public status (``StatusResponse``), or None. The miner is untrusted: the
+    client bounds the call's total time and size, rejects NaN/Infinity and garbage as
+    ApiError, and reads a field that breaks its rule as unknown; anything else it might
+    raise is caught too, so one miner never sinks the report."""
     from dtrain.api.client import MinerClient
 
     try:
         return MinerClient(None, timeout=timeout).status(api)
     except Exception:
         return None
-
-
-def _epoch(value: Any) -> int | None:
-    """A non-negative int (bool is an int to Python, but not an epoch)."""
-    return value if type(value) is int and value >= 0 else None
-
-
-def _count(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
 
 
 def _finite(value: Any) -> float | None:
@@ -52,14 +44,6 @@ def _finite(value: Any) -> float | None:
     except OverflowError:  # an int too big for a float
         return None
     return value if math.isfinite(value) else None
-
-
-def _miner_fields(st: Any) -> dict[str, Any]:
-    """The fields ``dtrain status`` uses from a miner's (untrusted) status, coerced."""
-    st = st if isinstance(st, dict) else {}
-    return {"epoch": _epoch(st.get("epoch")), "loss": _finite(st.get("loss")),
-            "samples": _count(st.get("samples")),
-            "samples_accumulated": _count(st.get("samples_accumulated")) or 0}
 
 
 def _local_dirs(cfg: Config) -> list[Path]:
@@ -85,17 +69,39 @@ def _dicts(value: Any) -> list[dict]:
 
 
 def _round_view(summary: dict) -> dict:
-    """A validator's round summary in the round-record shape the dashboards draw."""
+    """A validator's round summary in the round-record shape the dashboards draw.
+
+    Only recorded values: a figure the summary does not hold (e.g. byte counts of a
+    summary written by an older version) stays None and is shown as unknown, never 0.
+    """
     return {
         "round": summary.get("round"), "round_id": summary.get("round_id"), "epoch": summary.get("epoch"),
         "status": summary.get("status"), "duration_s": summary.get("duration_s"),
+        "allreduce_s": summary.get("allreduce_s"),
         "group": summary.get("participants", []), "participants": summary.get("participants", []),
         "peers": [{"peer_id": f"uid {m.get('uid')}", "outcome": m.get("outcome")}
                   for m in _dicts(summary.get("miners"))],
-        "bytes_sent": summary.get("bytes", 0), "bytes_received": 0,
+        "bytes_sent": summary.get("bytes_sent"), "bytes_received": summary.get("bytes_received"),
         "fraction_averaged": summary.get("fraction_averaged"), "loss_after": summary.get("loss_after"),
         "error": summary.get("error", ""), "time": summary.get("time"),
     }
+
+
+def _validator_state(local_dirs: list[Path], doc: dict):
+    """The newest validator state on this machine (``validation.state.load_state``), or None.
+
+    An unreadable file is reported in ``doc["validator_state_error"]`` instead of sinking
+    the rest of the report.
+    """
+    from dtrain.validation.state import StateError, load_state
+
+    paths = [p for d in local_dirs for p in d.glob("validator-*/state.json")]
+    for path in sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            return load_state(path)
+        except StateError as exc:
+            doc["validator_state_error"] = str(exc)
+    return None
 
 
 def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]:
@@ -111,19 +117,10 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
                            "global": {"epoch": None, "samples": None, "target_batch": cfg.allreduce.target_batch_size},
                            "local": None, "chain_error": None}
     local_dirs = _local_dirs(cfg)
-    validator_state = None
-    for d in local_dirs:
-        for path in sorted(d.glob("validator-*/state.json")):
-            validator_state = _read_json(path) or validator_state
-    ema = (validator_state or {}).get("ema")
-    scores: dict[int, float | None] = {}
-    for key, value in (ema.items() if isinstance(ema, dict) else ()):
-        try:
-            scores[int(key)] = _finite(value)
-        except (TypeError, ValueError):
-            continue
-    if validator_state:
-        doc["rounds"] = [_round_view(r) for r in _dicts(validator_state.get("recent_rounds"))[-10:]]
+    validator_state = _validator_state(local_dirs, doc)
+    scores = dict(validator_state.ema.scores) if validator_state is not None else {}
+    if validator_state is not None:
+        doc["rounds"] = [_round_view(r) for r in _dicts(validator_state.recent_rounds)[-10:]]
     snapshots = []
     for d in local_dirs:
         for path in sorted(d.glob("*/status.json")):
@@ -164,25 +161,36 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
     apis = {n.uid: commitments[n.hotkey].api for n in miners if n.hotkey in commitments}
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(apis)))) as pool:
         raw = dict(zip(apis, pool.map(lambda api: _miner_status(api, probe_timeout), apis.values())))
-    # Untrusted from here on only through the coerced fields: a miner answering
-    # {"epoch": "x", "loss": 1e999} shows as unknown, it does not crash the report.
-    live = {uid: None if st is None else _miner_fields(st) for uid, st in raw.items()}
+    # Untrusted: a StatusResponse holds only fields that passed their rules, so a miner
+    # answering {"epoch": "x", "loss": 1e999} shows as unknown, it does not crash the report.
+    from dtrain.api.messages import PayloadError, StatusResponse
+
     # A miner that is down still left its last snapshot on this machine (e.g. a finished sandbox).
     offline = {snap.get("hotkey"): snap for snap in snapshots if snap.get("role") == "miner"}
     for n in miners:
         c = commitments.get(n.hotkey)
-        st = live[n.uid] if raw.get(n.uid) else _miner_fields(offline.get(n.hotkey))
+        st = raw.get(n.uid)
+        if st is None:
+            try:
+                st = StatusResponse.parse(offline.get(n.hotkey) or {}, lenient=True)
+            except PayloadError:
+                st = StatusResponse()
         doc["miners"].append({
             "uid": n.uid, "hotkey": n.hotkey, "api": c.api if c else None, "peer_id": c.peer_id if c else None,
-            "repo": c.repo if c else None, "stake": n.stake, "epoch": st.get("epoch"), "loss": st.get("loss"),
-            "samples": st.get("samples"), "alive": n.uid in live and live[n.uid] is not None,
+            "repo": c.repo if c else None, "stake": n.stake, "epoch": st.epoch, "loss": st.loss,
+            "samples": st.samples, "samples_accumulated": st.samples_accumulated,
+            "alive": raw.get(n.uid) is not None,
             "weight": consensus.get(n.uid, 0.0),
             "score": scores.get(n.uid), "validator_permit": False,
         })
     doc["validators"] = [{"uid": v.uid, "hotkey": v.hotkey, "stake": v.stake} for v in validators]
     epochs = [m["epoch"] for m in doc["miners"] if isinstance(m["epoch"], int)]
     if epochs:
-        doc["global"]["epoch"] = max(epochs)
-        doc["global"]["samples"] = sum((live.get(m["uid"]) or {}).get("samples_accumulated", 0)
-                                       for m in doc["miners"] if m["epoch"] == max(epochs))
+        top = max(epochs)
+        doc["global"]["epoch"] = top
+        # Samples toward the global batch: what the live miners at the top epoch report. None
+        # (unknown) when none of them reports it, rather than a made-up 0.
+        known = [m["samples_accumulated"] for m in doc["miners"]
+                 if m["alive"] and m["epoch"] == top and m["samples_accumulated"] is not None]
+        doc["global"]["samples"] = sum(known) if known else None
     return doc

@@ -32,15 +32,16 @@ class Health:
 
 @dataclass
 class MinerRow:
-    """One line of a validator's miner table."""
+    """One line of a validator's miner table. A component not measured in the miner's last
+    round is None (shown as "—"), never a made-up 0."""
 
     uid: int
     hotkey: str
-    gradient: float = 0.0
-    steps: float = 0.0
-    bandwidth: float = 0.0
-    allreduce: float = 0.0
-    score: float = 0.0
+    gradient: float | None = None
+    steps: float | None = None
+    bandwidth: float | None = None
+    allreduce: float | None = None
+    score: float | None = None
     ema: float = 0.0
     weight: float = 0.0
     last_outcome: str = ""
@@ -65,7 +66,7 @@ class Snapshot:
     samples_accumulated: int = 0
     local_batch: int = 0
     target_batch: int = 0
-    global_samples: int = 0
+    global_samples: int | None = None  # None until the swarm's progress was read from the DHT
     loss: float | None = None
     tokens_per_s: float = 0.0
     grad_norm: float | None = None
@@ -75,7 +76,6 @@ class Snapshot:
     peers_seen: int = 0
     current_round: dict[str, Any] | None = None
     rounds: list[dict[str, Any]] = field(default_factory=list)
-    bandwidth_mb_s: float | None = None
     miners: list[MinerRow] = field(default_factory=list)
     chain: Health = field(default_factory=Health)
     hub: Health = field(default_factory=Health)

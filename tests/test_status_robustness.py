@@ -196,7 +196,7 @@ def test_non_finite_values_anywhere_become_null(hostile_subnet, tmp_path):
     }))
     (data / "validator-x").mkdir()
     (data / "validator-x" / "state.json").write_text(json.dumps({
-        "ema": {str(uids["good"]): float("nan"), str(uids["brief"]): 0.25, "not-a-uid": 1.0},
+        "version": 1, "ema": {str(uids["good"]): 0.5, str(uids["brief"]): 0.25},
         "recent_rounds": [{"round": 1, "fraction_averaged": float("inf"), "loss_after": float("nan"),
                            "miners": [{"uid": 1, "outcome": "ok"}, "junk"]}, "junk"],
     }))
@@ -208,9 +208,23 @@ def test_non_finite_values_anywhere_become_null(hostile_subnet, tmp_path):
     # The offline miner shows its last snapshot, minus the NaN.
     down = miners[uids["down"]]
     assert (down["alive"], down["epoch"], down["loss"], down["samples"]) == (False, 2, None, 3)
-    assert miners[uids["good"]]["score"] is None and miners[uids["brief"]]["score"] == 0.25
+    assert miners[uids["good"]]["score"] == 0.5 and miners[uids["brief"]]["score"] == 0.25
     assert doc["rounds"][0]["fraction_averaged"] is None and doc["rounds"][0]["loss_after"] is None
     assert doc["rounds"][0]["peers"] == [{"peer_id": "uid 1", "outcome": "ok"}]
+    # Byte counts the summary does not hold are unknown, not a made-up 0.
+    assert doc["rounds"][0]["bytes_sent"] is None and doc["rounds"][0]["bytes_received"] is None
+
+
+def test_an_unusable_validator_state_is_named_not_half_read(hostile_subnet, tmp_path):
+    """status reads the validator's state exactly as the validator would (load_state)."""
+    cfg, uids = hostile_subnet
+    path = tmp_path / "data" / "validator-x" / "state.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"version": 1, "ema": {str(uids["good"]): float("nan")}}))
+    doc = collect_status(cfg, probe_timeout=1.0)
+    assert str(path) in doc["validator_state_error"] and "non-finite" in doc["validator_state_error"]
+    assert all(m["score"] is None for m in doc["miners"]) and doc["rounds"] == []
+    assert doc["chain_error"] is None and len(doc["miners"]) == len(uids)  # the rest is still reported
 
 
 def test_status_without_chain_is_still_finite(tmp_path):

@@ -203,3 +203,20 @@ def test_validator_miner_table_is_capped():
     rows = [MinerRow(uid=u, hotkey=f"5H{u:04d}" * 6, weight=u / 1000) for u in range(100)]
     text = render_text(miners_table(rows, limit=10))
     assert "90 more" in text and re.search(r"^\s*9\s", text, re.M) and not re.search(r"^\s*10\s", text, re.M)
+
+
+def test_validator_view_shows_only_measured_values():
+    from dtrain.ui.dashboard import miners_table
+
+    tel = Telemetry("validator")
+    tel.set_miners([MinerRow(uid=1, hotkey="5H0001" * 6, gradient=0.97, steps=1.0, bandwidth=0.5, allreduce=1.0,
+                             score=0.9, ema=0.4, weight=0.6),
+                    # Not queried in its last round: no component was measured.
+                    MinerRow(uid=2, hotkey="5H0002" * 6, ema=0.2, weight=0.4, last_outcome="NOT_ALIVE")])
+    text = render_text(render_neuron(tel.snapshot(), now=time.time()))
+    assert "VALIDATOR" in text and "chain ● ok" in text
+    assert "hub" not in text and "last push" not in text  # validators never push
+    table = render_text(miners_table(tel.snapshot().miners))
+    row = next(line for line in table.splitlines() if re.match(r"\s*2\s", line))
+    assert "0.00" not in row and row.count("—") >= 5
+    assert "0.97" in next(line for line in table.splitlines() if re.match(r"\s*1\s", line))

@@ -65,6 +65,24 @@ def test_status_view_chain_error_and_local_health():
     assert "chain ✗ down" in text and "last ok never" in text and "hub ● ok" in text and "run.6.120" in text
 
 
+def test_status_view_shows_only_what_was_measured():
+    # A validator never pushes: its "this node" panel has no hub row and no "last push".
+    validator = {"role": "validator", "uid": 0, "state": "validating", "epoch": 6, "loss": 3.25,
+                 "chain": {"ok": True, "detail": "", "last_ok": 0.0, "last_error": ""},
+                 "hub": {"ok": True, "detail": "", "last_ok": 0.0, "last_error": ""}, "last_push": ""}
+    # Round byte counts an older summary did not record are unknown: shown as "—", never "0 B".
+    unknown = dict(STATUS["rounds"][0], bytes_sent=None, bytes_received=None)
+    text = text_of(render_status(STATUS | {"local": validator, "rounds": [unknown]}))
+    assert "validator uid 0" in text and "chain ● ok" in text
+    assert "hub" not in text and "last push" not in text
+    row = next(line for line in text.splitlines() if "aa11bb22" in line)
+    assert "0 B" not in row and row.count("—") >= 2
+    assert "unknown / 1,200" in text_of(render_status(STATUS | {"global": {"epoch": 6, "samples": None,
+                                                                          "target_batch": 1200}}))
+    doc = STATUS | {"validator_state_error": "validator state file /x/state.json is unusable: bad"}
+    assert "validator state not shown: validator state file /x/state.json is unusable" in text_of(render_status(doc))
+
+
 def summary_doc(adversary_weight: float) -> dict:
     return {
         "wall_s": 312.0,

@@ -293,8 +293,11 @@ def build_summary(root: Path, wall_s: float | None = None) -> dict:
         chain_weights = {}
     rounds = []
     for r in rounds_raw:
+        sent, received = r.get("bytes_sent"), r.get("bytes_received")
         rounds.append({"round": r.get("round"), "status": r.get("status"), "participants": r.get("participants", []),
-                       "duration_s": r.get("duration_s"), "bytes": r.get("bytes", 0), "epoch": r.get("epoch"),
+                       "duration_s": r.get("duration_s"), "allreduce_s": r.get("allreduce_s"),
+                       "bytes": sent + received if sent is not None and received is not None else None,
+                       "epoch": r.get("epoch"),
                        "fraction_averaged": r.get("fraction_averaged"), "error": r.get("error", ""),
                        "loss_before": r.get("loss_before"), "loss_after": r.get("loss_after"),
                        "verify_s": r.get("verify_s"), "train_query_s": r.get("train_query_s"),

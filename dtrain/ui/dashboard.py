@@ -86,7 +86,10 @@ def health_line(name: str, health: Health | Mapping[str, Any], now: float | None
 
 
 def progress_row(done: Any, total: Any, width: int = 30) -> RenderableType:
-    """A bar with 'done/total (pct)' beside it; just the count when the total is unknown."""
+    """A bar with 'done/total (pct)' beside it; just the count when the total is unknown,
+    and "unknown" (never a made-up 0) when the count itself is."""
+    if done is None:
+        return Text("unknown" + (f" / {int(total):,}" if isinstance(total, int) and total > 0 else ""), style="dim")
     try:
         d, t = int(done or 0), int(total or 0)
     except (TypeError, ValueError):
@@ -144,8 +147,9 @@ def rounds_table(rounds: list[Mapping[str, Any]], limit: int = MAX_ROUNDS_SHOWN,
             duration(r.get("duration_s")),
             str(len(r.get("group") or [])),
             outcomes,
-            human_bytes(r.get("bytes_sent", 0)),
-            human_bytes(r.get("bytes_received", 0)),
+            # Unknown byte counts show as "—": a round record that lacks them was not measured.
+            human_bytes(r.get("bytes_sent")),
+            human_bytes(r.get("bytes_received")),
             frac_text,
         )
     if not rounds:
@@ -165,9 +169,13 @@ def miners_table(rows: list[MinerRow], title: str | None = "Miners (this validat
     table.add_column("last outcome", overflow="ellipsis", min_width=7)  # wrappable: narrowed first
     table.add_column("note", overflow="fold")
     ordered = sorted(rows, key=lambda r: r.uid)
+
+    def cell(value, digits: int) -> str:  # a component not measured this round is "—", not 0.00
+        return "—" if value is None else f"{value:.{digits}f}"
+
     for m in ordered[:limit]:
-        table.add_row(str(m.uid), short_hotkey(m.hotkey, 4), f"{m.gradient:.2f}", f"{m.steps:.2f}",
-                      f"{m.bandwidth:.2f}", f"{m.allreduce:.2f}", f"{m.score:.3f}", f"{m.ema:.3f}",
+        table.add_row(str(m.uid), short_hotkey(m.hotkey, 4), cell(m.gradient, 2), cell(m.steps, 2),
+                      cell(m.bandwidth, 2), cell(m.allreduce, 2), cell(m.score, 3), f"{m.ema:.3f}",
                       f"{m.weight:.4f}", outcome_text(m.last_outcome) if m.last_outcome else Text("—", style="dim"),
                       Text(m.note or "", style="yellow"))
     if len(ordered) > limit:
@@ -213,12 +221,22 @@ def _training_panel(s: Snapshot) -> Panel:
     return Panel(g, title="training", title_align="left", border_style="blue")
 
 
+def last_round_throughput(rounds: list[Mapping[str, Any]]) -> float | None:
+    """Bytes/s this node moved in its last completed all-reduce, or None if none was measured."""
+    for r in reversed(rounds):
+        seconds, moved = r.get("allreduce_s"), (r.get("bytes_sent") or 0) + (r.get("bytes_received") or 0)
+        if not r.get("error") and isinstance(seconds, (int, float)) and seconds > 0 and moved > 0:
+            return moved / seconds
+    return None
+
+
 def _swarm_panel(s: Snapshot, now: float) -> Panel:
     head = Text()
     head.append(f"peers seen {s.peers_seen}")
-    head.append("   bandwidth ")
-    head.append(f"{s.bandwidth_mb_s:.1f} MiB/s" if s.bandwidth_mb_s is not None else "not measured",
-                style="" if s.bandwidth_mb_s is not None else "dim")
+    head.append("   last round ")
+    bps = last_round_throughput(s.rounds)
+    head.append(f"{human_bytes(bps)}/s" if bps is not None else "not measured yet",
+                style="" if bps is not None else "dim")
     parts: list[RenderableType] = [head]
     if s.current_round:
         cur = dict(s.current_round)
@@ -237,11 +255,22 @@ def _swarm_panel(s: Snapshot, now: float) -> Panel:
     return Panel(Group(*parts), title="swarm", title_align="left", border_style="cyan")
 
 
+def service_lines(s: Snapshot, now: float) -> tuple[list[RenderableType], bool]:
+    """Health lines of the services this role uses, and whether all are up. Only miners push
+    to the model store, so a validator shows no hub row and no "last push"."""
+    lines: list[RenderableType] = [health_line("chain", s.chain, now)]
+    ok = s.chain.ok
+    if s.role == "miner":
+        push = Text("last push ", style="bold")
+        push.append(s.last_push or "none yet", style="" if s.last_push else "dim")
+        lines += [health_line("hub", s.hub, now), push]
+        ok = ok and s.hub.ok
+    return lines, ok
+
+
 def _health_panel(s: Snapshot, now: float) -> Panel:
-    push = Text("last push ", style="bold")
-    push.append(s.last_push or "none yet", style="" if s.last_push else "dim")
-    return Panel(Group(health_line("chain", s.chain, now), health_line("hub", s.hub, now), push), title="health",
-                 title_align="left", border_style="green" if s.chain.ok and s.hub.ok else "red")
+    lines, ok = service_lines(s, now)
+    return Panel(Group(*lines), title="health", title_align="left", border_style="green" if ok else "red")
 
 
 def _events_panel(s: Snapshot) -> Panel:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dtrain.ui.console import compact_table, fmt_num, short_hotkey, short_id
-from dtrain.ui.dashboard import as_snapshot, health_line, progress_row, rounds_table
+from dtrain.ui.dashboard import as_snapshot, progress_row, rounds_table, service_lines
 
 
 def _header(doc: Mapping[str, Any]) -> RenderableType:
@@ -72,11 +72,8 @@ def local_health(local: Mapping[str, Any], now: float | None = None) -> Panel:
     line.append(f"{s.role} uid {s.uid if s.uid is not None else '—'}", style="bold")
     line.append(f"  state {s.state}  epoch {s.epoch}  inner step {s.inner_step}")
     line.append(f"  loss {fmt_num(s.loss)}")
-    push = Text("last push ", style="bold")
-    push.append(s.last_push or "none yet", style="" if s.last_push else "dim")
-    ok = s.chain.ok and s.hub.ok
-    return Panel(Group(line, health_line("chain", s.chain, now), health_line("hub", s.hub, now), push),
-                 title="this node", title_align="left", border_style="green" if ok else "red")
+    lines, ok = service_lines(s, now)
+    return Panel(Group(line, *lines), title="this node", title_align="left", border_style="green" if ok else "red")
 
 
 def render_status(doc: Mapping[str, Any], now: float | None = None) -> RenderableType:
@@ -85,6 +82,8 @@ def render_status(doc: Mapping[str, Any], now: float | None = None) -> Renderabl
     if doc.get("chain_error"):
         parts.append(Panel(Text(str(doc["chain_error"]), style="red"), title="chain unreachable",
                            title_align="left", border_style="red"))
+    if doc.get("validator_state_error"):
+        parts.append(Text(f"validator state not shown: {doc['validator_state_error']}", style="yellow"))
     if doc.get("poll_error"):
         # --watch keeps the last good picture on screen; say that it is stale and why.
         parts.append(Text(f"refresh failed, showing the last good data: {doc['poll_error']}", style="yellow"))
