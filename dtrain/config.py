@@ -47,8 +47,11 @@ class ConfigError(Exception):
 
 
 def _f(default: Any, doc: str, *, min: float | None = None, max: float | None = None,
-       choices: tuple[str, ...] | None = None, factory: bool = False) -> Any:
-    meta = {"doc": doc, "min": min, "max": max, "choices": choices}
+       choices: tuple[str, ...] | None = None, factory: bool = False, swarm: bool = False) -> Any:
+    # ``swarm``: every peer of a run must use the same value (models, pages and optimizer
+    # steps must agree, or verification and averaging silently go out of step). Such
+    # settings are hashed into the swarm fingerprint (dtrain.neurons.runtime).
+    meta = {"doc": doc, "min": min, "max": max, "choices": choices, "swarm": swarm}
     if factory:
         return field(default_factory=default, metadata=meta)
     return field(default=default, metadata=meta)
@@ -78,36 +81,47 @@ class NodeConfig:
 @dataclass
 class ModelConfig:
     preset: str = _f("gpt2-250m", "Model preset: tiny, gpt2-124m, gpt2-250m, gpt2-500m, gpt2-1b.",
-                     choices=("tiny", "gpt2-124m", "gpt2-250m", "gpt2-500m", "gpt2-1b"))
+                     choices=("tiny", "gpt2-124m", "gpt2-250m", "gpt2-500m", "gpt2-1b"), swarm=True)
     hub_id: str = _f("", "Load initial weights with from_pretrained from this Hub id (empty: fresh init).")
-    run_id: str = _f("sn38", "Training run id; part of every push tag and of the data assignment.")
-    seq_len: int = _f(1024, "Tokens per training sequence.", min=8, max=65536)
+    run_id: str = _f("sn38", "Training run id; part of every push tag and of the data assignment.", swarm=True)
+    seq_len: int = _f(1024, "Tokens per training sequence.", min=8, max=65536, swarm=True)
 
 
 @dataclass
 class DataConfig:
     source: str = _f("fineweb", "fineweb (streamed from the Hub) or local (text files).",
-                     choices=("fineweb", "local"))
-    dataset: str = _f("HuggingFaceFW/fineweb", "Hub dataset id for source = fineweb.")
-    dataset_config: str = _f("sample-350BT", "Dataset configuration name.")
+                     choices=("fineweb", "local"), swarm=True)
+    dataset: str = _f("HuggingFaceFW/fineweb", "Hub dataset id for source = fineweb.", swarm=True)
+    dataset_config: str = _f("sample-350BT", "Dataset configuration name.", swarm=True)
     local_path: str = _f("", "Text file or directory for source = local (empty: the shipped corpus).")
-    tokenizer: str = _f("distilgpt2", "Tokenizer name or path.")
+    tokenizer: str = _f("distilgpt2", "Tokenizer name or path.", swarm=True)
     allow_tokenizer_fallback: bool = _f(True, "Use the shipped byte-level BPE when the tokenizer can't be loaded.")
-    page_sequences: int = _f(8, "Sequences per data page (the unit of data assignment).", min=1, max=4096)
+    page_sequences: int = _f(8, "Sequences per data page (the unit of data assignment).", min=1, max=4096,
+                             swarm=True)
+
+
+@dataclass
+class TrainingConfig:
+    """How a replica trains. Miners train with it and validators recompute with it, so the
+    optimizer settings and the local batch are swarm-wide; device and precision are this
+    machine's choice."""
+
+    micro_batch_size: int = _f(8, "Sequences per forward/backward pass (a validator also asks miners for this "
+                               "micro-batch size in Train queries).", min=1, max=65536)
+    local_batch_size: int = _f(64, "Sequences a miner accumulates before each all-reduce round.", min=1,
+                               max=1 << 24, swarm=True)
+    optimizer: str = _f("adamw", "Inner optimizer.", choices=("adamw", "lamb"), swarm=True)
+    lr: float = _f(3e-4, "Peak learning rate.", min=0.0, swarm=True)
+    weight_decay: float = _f(0.1, "Decoupled weight decay.", min=0.0, swarm=True)
+    warmup_steps: int = _f(100, "Linear warm-up steps.", min=0, swarm=True)
+    total_steps: int = _f(100_000, "Cosine schedule length in optimizer steps.", min=1, swarm=True)
+    grad_clip: float = _f(1.0, "Gradient norm clip (0 disables).", min=0.0, swarm=True)
+    precision: str = _f("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16.", choices=("auto", "fp32", "bf16"))
+    device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
 
 
 @dataclass
 class MinerConfig:
-    micro_batch_size: int = _f(8, "Sequences per forward/backward pass.", min=1, max=65536)
-    local_batch_size: int = _f(64, "Sequences accumulated locally before averaging.", min=1, max=1 << 24)
-    optimizer: str = _f("adamw", "Inner optimizer.", choices=("adamw", "lamb"))
-    lr: float = _f(3e-4, "Peak learning rate.", min=0.0)
-    weight_decay: float = _f(0.1, "Decoupled weight decay.", min=0.0)
-    warmup_steps: int = _f(100, "Linear warm-up steps.", min=0)
-    total_steps: int = _f(100_000, "Cosine schedule length in optimizer steps.", min=1)
-    grad_clip: float = _f(1.0, "Gradient norm clip (0 disables).", min=0.0)
-    precision: str = _f("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16.", choices=("auto", "fp32", "bf16"))
-    device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
     checkpoint_every: int = _f(1, "Save a checkpoint every N rounds (and always on a clean stop).", min=1)
     push_after_round: bool = _f(True, "Push the model to the store in the background after each round.")
 
@@ -130,7 +144,8 @@ class ValidatorConfig:
 @dataclass
 class AllReduceConfig:
     mode: str = _f("gradient", "gradient (average every step) or diloco (average pseudo-gradients; "
-                   "library and benchmarks only, mine/validate refuse it).", choices=("gradient", "diloco"))
+                   "library and benchmarks only, mine/validate refuse it).", choices=("gradient", "diloco"),
+                   swarm=True)
     target_batch_size: int = _f(512, "Global batch the progress display counts toward (rounds are started by "
                                 "validators).", min=1)
     min_group_size: int = _f(2, "Smallest group an all-reduce round accepts.", min=1, max=4096)
@@ -142,9 +157,6 @@ class AllReduceConfig:
     initial_peers: list = _f(list, "Extra hivemind multiaddrs to bootstrap from (chain commitments are used too).", factory=True)
     host_maddrs: list = _f(lambda: ["/ip4/0.0.0.0/tcp/0"], "Multiaddrs hivemind listens on.", factory=True)
     announce_maddrs: list = _f(list, "Multiaddrs announced to peers (set your public IP here).", factory=True)
-    diloco_inner_steps: int = _f(500, "Local steps between DiLoCo outer steps (library and benchmarks).", min=1)
-    outer_lr: float = _f(0.7, "DiLoCo outer Nesterov learning rate (library and benchmarks).", min=0.0)
-    outer_momentum: float = _f(0.9, "DiLoCo outer momentum (library and benchmarks).", min=0.0, max=1.0)
 
 
 @dataclass
@@ -178,6 +190,7 @@ class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     miner: MinerConfig = field(default_factory=MinerConfig)
     validator: ValidatorConfig = field(default_factory=ValidatorConfig)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
@@ -191,6 +204,38 @@ class Config:
 
 # With ``from __future__ import annotations`` field types are strings; resolve them once.
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+# Keys that earlier releases accepted, so an old file gets "moved to X" instead of
+# "unknown key". Training settings left [miner] because validators recompute with them.
+MOVED_KEYS = {f"miner.{key}": f"training.{key}" for key in (
+    "micro_batch_size", "local_batch_size", "optimizer", "lr", "weight_decay", "warmup_steps", "total_steps",
+    "grad_clip", "precision", "device")}
+REMOVED_KEYS = {
+    f"allreduce.{key}": "nothing read it (DiLoCo is configured in the swarm library, not in mine/validate)"
+    for key in ("diloco_inner_steps", "outer_lr", "outer_momentum")}
+
+
+def _retired(section: str, key: str) -> str | None:
+    """Why ``section.key`` is no longer accepted, or None when it never existed."""
+    dotted = f"{section}.{key}"
+    if dotted in MOVED_KEYS:
+        new_section, new_key = MOVED_KEYS[dotted].split(".")
+        return (f"this key moved to [{new_section}] {new_key} (env {env_name(new_section, new_key)}); "
+                "move it there")
+    if dotted in REMOVED_KEYS:
+        return f"this key was removed: {REMOVED_KEYS[dotted]}; delete it"
+    return None
+
+
+def swarm_settings(cfg: "Config") -> dict[str, Any]:
+    """Every swarm-wide setting (``swarm=True`` in the schema), keyed ``section.key``."""
+    out: dict[str, Any] = {}
+    for section in SECTIONS:
+        for key, (_typ, fld) in section_fields(section).items():
+            if fld.metadata.get("swarm"):
+                out[f"{section}.{key}"] = getattr(getattr(cfg, section), key)
+    return out
+
 
 # bittensor's own environment variables, honoured as btcli users expect.
 BT_ENV = {"BT_NETWORK": ("chain", "network"), "BT_WALLET": ("wallet", "name"),
@@ -348,7 +393,8 @@ def apply_mapping(cfg: Config, data: Mapping[str, Any], *, source: str) -> None:
         for key, value in table.items():
             dotted = f"{section}.{key}"
             if key not in fields:
-                raise ConfigError(f"unknown key{_suggest(key, list(fields))}", source=source, key=dotted)
+                why = _retired(section, key)
+                raise ConfigError(why or f"unknown key{_suggest(key, list(fields))}", source=source, key=dotted)
             typ, fld = fields[key]
             value = _check_type(value, typ, source=source, key=dotted)
             _check_range(value, fld, source=source, key=dotted)
@@ -366,8 +412,12 @@ def apply_env(cfg: Config, env: Mapping[str, str]) -> None:
                 _set_checked(cfg, section, key, env[var], source=f"env {var}", from_string=True)
     # A misspelt DTRAIN_ variable would otherwise be ignored silently.
     known = {env_name(s, k) for s in SECTIONS for k in section_fields(s)} | {"DTRAIN_CONFIG"}
+    retired = {env_name(*dotted.split(".")): dotted for dotted in (*MOVED_KEYS, *REMOVED_KEYS)}
     for var in env:
         if var.startswith("DTRAIN_") and var not in known and not var.startswith("DTRAIN_TEST_"):
+            if var in retired:
+                section, key = retired[var].split(".")
+                raise ConfigError(_retired(section, key), source=f"env {var}")
             raise ConfigError(f"unknown setting{_suggest(var, sorted(known))}", source=f"env {var}")
 
 
@@ -422,9 +472,10 @@ def check_consistency(cfg: Config, *, source: str) -> None:
     if v.weight_gradient + v.weight_steps + v.weight_bandwidth + v.weight_allreduce <= 0:
         raise ConfigError("expected at least one of weight_gradient, weight_steps, weight_bandwidth, "
                           "weight_allreduce above 0, found all 0", source=source, key="validator.weight_gradient")
-    if cfg.miner.micro_batch_size > cfg.miner.local_batch_size:
-        raise ConfigError(f"expected micro_batch_size <= local_batch_size ({cfg.miner.local_batch_size}), "
-                          f"found {cfg.miner.micro_batch_size}", source=source, key="miner.micro_batch_size")
+    t = cfg.training
+    if t.micro_batch_size > t.local_batch_size:
+        raise ConfigError(f"expected micro_batch_size <= local_batch_size ({t.local_batch_size}), "
+                          f"found {t.micro_batch_size}", source=source, key="training.micro_batch_size")
 
 
 # ---------------------------------------------------------------------------

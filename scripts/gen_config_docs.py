@@ -38,6 +38,19 @@ value, unknown section or key, unknown `DTRAIN_` variable) stops the command wit
 exit code 2 and one line naming the file (or variable, or flag), the key, what was
 expected and what was found. Unknown keys get a "did you mean" suggestion.
 
+**Swarm-wide settings** (marked **swarm** below) must be the same on every peer
+of a run: they decide the model, which pages each miner trains and the optimizer
+step every replica applies. They are hashed with the model fingerprint into the
+*swarm fingerprint*, which peers match on in the all-reduce and miners report in
+`/v1/status`. A peer whose swarm-wide settings differ is reported `WRONG_MODEL`
+and its work is not verified, rather than averaging gradients that are silently
+out of step. Everything else is this machine's own choice.
+
+**Moved and removed keys.** Training settings moved from `[miner]` to
+`[training]`, because validators recompute with them too; an old key (in a file
+or as `DTRAIN_MINER_...`) is an error that names its new place. The unused
+`allreduce.diloco_inner_steps`, `outer_lr` and `outer_momentum` were removed.
+
 Write a starting file with `dtrain init`.
 """
 
@@ -70,10 +83,11 @@ def render() -> str:
     out = [HEADER.format(bt=bt)]
     defaults = Config()
     for section in SECTIONS:
-        out.append(f"\n## [{section}]\n\n| key | default | allowed | env | meaning |\n|---|---|---|---|---|")
+        out.append(f"\n## [{section}]\n\n| key | default | allowed | scope | env | meaning |\n|---|---|---|---|---|---|")
         for key, (_, fld) in section_fields(section).items():
             default = getattr(getattr(defaults, section), key)
-            out.append(f"| `{key}` | {fmt_default(default)} | {fmt_range(fld.metadata)} | "
+            scope = "**swarm**" if fld.metadata.get("swarm") else "node"
+            out.append(f"| `{key}` | {fmt_default(default)} | {fmt_range(fld.metadata)} | {scope} | "
                        f"`{env_name(section, key)}` | {fld.metadata['doc']} |")
     return "\n".join(out) + "\n"
 

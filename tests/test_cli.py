@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +179,40 @@ def test_init_interactive_prompts_on_a_terminal(clean_env):
     doc = tomllib.loads(path.read_text())
     assert doc["node"]["role"] == "validator" and doc["chain"]["network"] == "test"
     assert doc["chain"]["netuid"] == 7 and doc["wallet"]["name"] == "cold" and doc["wallet"]["hotkey"] == "hot"
+
+
+def test_mine_and_validate_share_the_node_options():
+    """The shared options are declared once (dtrain.cli.node_options) and reach the config."""
+    from dtrain.cli.mine import mine
+    from dtrain.cli.node_options import NodeOptions
+    from dtrain.cli.validate import validate
+
+    shared = [f.name for f in dataclasses.fields(NodeOptions)]
+    for command in (mine, validate):
+        params = list(inspect.signature(command).parameters)
+        assert params[:len(shared)] == shared, command.__name__
+    assert "round_interval" in inspect.signature(validate).parameters
+    assert "repo" not in inspect.signature(validate).parameters
+    node = NodeOptions(network="test", netuid=7, device="cpu", data_dir=Path("/tmp/d"), log_format="json")
+    overrides = node.overrides()
+    assert overrides["chain.network"] == "test" and overrides["chain.netuid"] == 7
+    assert overrides["training.device"] == "cpu" and overrides["node.data_dir"] == "/tmp/d"
+    assert overrides["node.log_format"] == "json" and overrides["wallet.name"] is None
+
+
+def test_node_option_flags_reach_the_config_of_both_commands(clean_env):
+    """A bad value for a shared flag is reported against that flag by mine and by validate."""
+    for command in ("mine", "validate"):
+        result = run_dtrain(command, "--network", "sandbox", "--netuid", "70000", "--no-dashboard")
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        assert "flag --netuid" in result.stderr and "chain.netuid" in result.stderr
+
+
+def test_init_gives_a_validator_the_training_section(clean_env):
+    path = clean_env / "v.toml"
+    result = run_dtrain("init", "--no-prompt", "--config", str(path), "--role", "validator",
+                        "--network", "sandbox")
+    assert result.returncode == 0, result.stderr
+    doc = tomllib.loads(path.read_text())
+    assert "training" in doc and "validator" in doc and "miner" not in doc
+    assert doc["training"]["local_batch_size"] == 64

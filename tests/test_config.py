@@ -17,7 +17,7 @@ def write(path, text):
 
 
 def test_defaults_have_every_documented_section():
-    assert list(SECTIONS) == ["wallet", "chain", "node", "model", "data", "miner", "validator",
+    assert list(SECTIONS) == ["wallet", "chain", "node", "model", "data", "training", "miner", "validator",
                               "allreduce", "hub", "api", "dashboard"]
     cfg, used = load_config(None, env={"HOME": "/nonexistent-home"})
     assert used is None
@@ -29,7 +29,7 @@ def test_round_trip_preserves_every_value(tmp_path):
     cfg = Config()
     cfg.chain.netuid = 7
     cfg.allreduce.initial_peers = ["/ip4/127.0.0.1/tcp/4000/p2p/QmX"]
-    cfg.miner.lr = 1e-3
+    cfg.training.lr = 1e-3
     cfg.dashboard.enabled = False
     path = tmp_path / "c.toml"
     save_config(cfg, path)
@@ -46,13 +46,13 @@ def test_save_refuses_to_overwrite(tmp_path):
 
 
 def test_precedence_defaults_file_env_flags(tmp_path):
-    path = write(tmp_path / "c.toml", "[chain]\nnetuid = 10\nnetwork = \"test\"\n[miner]\nlr = 0.5\n")
+    path = write(tmp_path / "c.toml", "[chain]\nnetuid = 10\nnetwork = \"test\"\n[training]\nlr = 0.5\n")
     env = {"DTRAIN_CHAIN_NETUID": "11", "BT_NETWORK": "local"}
     cfg, _ = load_config(path, env=env)
     assert cfg.chain.netuid == 11          # env beats file
     assert cfg.chain.network == "local"    # BT_NETWORK honoured like btcli
-    assert cfg.miner.lr == 0.5             # file beats default
-    assert cfg.miner.micro_batch_size == 8  # default where nothing else speaks
+    assert cfg.training.lr == 0.5             # file beats default
+    assert cfg.training.micro_batch_size == 8  # default where nothing else speaks
     cfg, _ = load_config(path, env=env, overrides={"chain.netuid": 12, "chain.network": None})
     assert cfg.chain.netuid == 12          # flag beats env
     assert cfg.chain.network == "local"    # a flag that was not given changes nothing
@@ -64,11 +64,11 @@ def test_env_dtrain_beats_bt_alias():
 
 
 def test_env_parses_types():
-    env = {"HOME": "/x", "DTRAIN_DASHBOARD_ENABLED": "false", "DTRAIN_MINER_LR": "0.01",
+    env = {"HOME": "/x", "DTRAIN_DASHBOARD_ENABLED": "false", "DTRAIN_TRAINING_LR": "0.01",
            "DTRAIN_ALLREDUCE_INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1, /ip4/5.6.7.8/tcp/2"}
     cfg, _ = load_config(None, env=env)
     assert cfg.dashboard.enabled is False
-    assert cfg.miner.lr == 0.01
+    assert cfg.training.lr == 0.01
     assert cfg.allreduce.initial_peers == ["/ip4/1.2.3.4/tcp/1", "/ip4/5.6.7.8/tcp/2"]
 
 
@@ -92,10 +92,10 @@ def test_default_file_is_read_when_present(tmp_path):
     ("[chain]\nnetuid = \"abc\"\n", "chain.netuid", "expected an integer, found string 'abc'"),
     ("[chain]\nnetuid = 70000\n", "chain.netuid", "from 0 to 65535, found integer 70000"),
     ("[api]\nport = 70000\n", "api.port", "from 0 to 65535, found integer 70000"),
-    ("[miner]\nmicro_batch_size = -4\n", "miner.micro_batch_size", "found integer -4"),
+    ("[training]\nmicro_batch_size = -4\n", "training.micro_batch_size", "found integer -4"),
     ("[validator]\nslice_bytes = 0\n", "validator.slice_bytes", ">= 1"),
     ("[dashboard]\nenabled = \"yes\"\n", "dashboard.enabled", "expected true or false"),
-    ("[miner]\noptimizer = \"sgd\"\n", "miner.optimizer", "expected one of adamw, lamb"),
+    ("[training]\noptimizer = \"sgd\"\n", "training.optimizer", "expected one of adamw, lamb"),
     ("[chain]\nnetuidd = 3\n", "chain.netuidd", "did you mean 'netuid'"),
     ("[chian]\nnetuid = 3\n", "[chian]", "did you mean 'chain'"),
     ("[allreduce]\ninitial_peers = [1, 2]\n", "allreduce.initial_peers", "expected a list of strings"),
@@ -108,6 +108,37 @@ def test_errors_name_file_key_expected_and_found(tmp_path, text, key, fragment):
     assert info.value.key == key
     assert info.value.source == str(path)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("text,key,fragment", [
+    ("[miner]\nlr = 0.5\n", "miner.lr", "moved to [training] lr (env DTRAIN_TRAINING_LR)"),
+    ("[miner]\ndevice = \"cuda\"\n", "miner.device", "moved to [training] device"),
+    ("[allreduce]\nouter_lr = 0.7\n", "allreduce.outer_lr", "was removed"),
+])
+def test_retired_keys_say_where_they_went(tmp_path, text, key, fragment):
+    path = write(tmp_path / "old.toml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert info.value.key == key and fragment in str(info.value)
+
+
+def test_retired_env_vars_say_where_they_went():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={"HOME": "/x", "DTRAIN_MINER_LOCAL_BATCH_SIZE": "32"})
+    assert info.value.source == "env DTRAIN_MINER_LOCAL_BATCH_SIZE"
+    assert "moved to [training] local_batch_size (env DTRAIN_TRAINING_LOCAL_BATCH_SIZE)" in str(info.value)
+
+
+def test_swarm_wide_settings_are_marked():
+    from dtrain.config import swarm_settings
+
+    marked = set(swarm_settings(Config()))
+    # what peers must agree on: the model, the pages, the optimizer step, the averaging mode
+    assert {"model.preset", "model.seq_len", "model.run_id", "data.page_sequences", "data.tokenizer",
+            "training.local_batch_size", "training.lr", "training.optimizer", "allreduce.mode"} <= marked
+    # what each machine chooses for itself
+    assert not marked & {"training.device", "training.precision", "training.micro_batch_size", "api.port",
+                         "node.data_dir", "data.local_path", "wallet.name"}
 
 
 def test_toml_syntax_error_names_the_line(tmp_path):

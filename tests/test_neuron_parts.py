@@ -169,3 +169,30 @@ def test_catch_up_never_goes_back_to_an_older_state():
     ahead.swarm = _PeerWithState(meta, [t.clone() for t in tensors])
     assert ahead._catch_up() is False
     assert ahead.epoch == 5 and params_digest(ahead.trainer) == before
+
+
+def test_swarm_fingerprint_tells_apart_peers_whose_swarm_wide_settings_differ():
+    from dtrain.config import Config
+    from dtrain.neurons.runtime import swarm_fingerprint
+
+    base = Config()
+    fp = swarm_fingerprint(base, "model-a")
+    assert fp == swarm_fingerprint(Config(), "model-a")  # deterministic across processes
+    assert fp != swarm_fingerprint(base, "model-b")       # another architecture
+    for section, key, value in [("training", "lr", 1e-3), ("data", "page_sequences", 4),
+                                ("training", "local_batch_size", 32), ("model", "run_id", "other"),
+                                ("allreduce", "mode", "diloco")]:
+        cfg = Config()
+        setattr(getattr(cfg, section), key, value)
+        assert swarm_fingerprint(cfg, "model-a") != fp, f"{section}.{key}"
+    # a machine's own choices do not split the swarm
+    for section, key, value in [("training", "device", "cuda"), ("training", "precision", "bf16"),
+                                ("training", "micro_batch_size", 2), ("api", "port", 9000)]:
+        cfg = Config()
+        setattr(getattr(cfg, section), key, value)
+        assert swarm_fingerprint(cfg, "model-a") == fp, f"{section}.{key}"
+    # Hub dataset names are not read for local text
+    local, local_other = Config(), Config()
+    local.data.source = local_other.data.source = "local"
+    local_other.data.dataset = "someone/else"
+    assert swarm_fingerprint(local, "m") == swarm_fingerprint(local_other, "m")

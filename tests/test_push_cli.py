@@ -30,7 +30,7 @@ def _config(root):
     cfg = Config()
     cfg.model.preset, cfg.model.seq_len, cfg.model.run_id = "tiny", 128, "run1"
     cfg.data.source, cfg.data.tokenizer = "local", "shipped"
-    cfg.miner.device, cfg.miner.micro_batch_size, cfg.miner.local_batch_size = "cpu", 8, 16
+    cfg.training.device, cfg.training.micro_batch_size, cfg.training.local_batch_size = "cpu", 8, 16
     return cfg
 
 

@@ -34,3 +34,29 @@ def test_changelog_keeps_a_changelog_form():
     assert text.startswith("# Changelog")
     assert "keepachangelog.com" in text
     assert "## [Unreleased]" in text
+
+
+def test_core_never_imports_the_cli_or_rich():
+    """The layering docs/architecture.md promises: only dtrain.cli and dtrain.ui may import
+    the CLI toolkit or Rich, and nothing outside dtrain.cli imports dtrain.cli."""
+    import ast
+
+    ui_only = {"rich", "typer", "click", "shellingham"}
+    offenders = []
+    for path in sorted((REPO / "dtrain").rglob("*.py")):
+        package = path.relative_to(REPO / "dtrain").parts[0]
+        if package in ("cli", "ui", "__main__.py"):  # __main__ is `python -m dtrain`, the CLI's entry
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in ui_only or name.startswith(("dtrain.cli", "dtrain.ui")):
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert not offenders, offenders

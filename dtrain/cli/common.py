@@ -54,6 +54,7 @@ DataDirOpt = Annotated[Optional[Path], typer.Option("--data-dir", file_okay=Fals
 NoDashboardOpt = Annotated[bool, typer.Option("--no-dashboard", help="Plain line logs instead of the live dashboard.")]
 LogFormatOpt = Annotated[Optional[str], typer.Option("--log-format", help="Plain log format: text or json.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout and nothing else there.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda or cuda:N (training.device).")]
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", help="Model preset.", autocompletion=_complete_preset)]
 
 

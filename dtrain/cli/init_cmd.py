@@ -18,8 +18,10 @@ ROLES = ("miner", "validator")
 
 # Sections each role's file spells out; the rest keep their built-in defaults.
 ROLE_SECTIONS = {
-    "miner": ("wallet", "chain", "node", "model", "data", "miner", "allreduce", "hub", "api", "dashboard"),
-    "validator": ("wallet", "chain", "node", "model", "data", "validator", "allreduce", "dashboard"),
+    "miner": ("wallet", "chain", "node", "model", "data", "training", "miner", "allreduce", "hub", "api", "dashboard"),
+    # validators recompute miners' gradients with [training], and serve /metrics per [api]
+    "validator": ("wallet", "chain", "node", "model", "data", "training", "validator", "allreduce", "api",
+                  "dashboard"),
 }
 
 

@@ -6,24 +6,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from dtrain.cli.common import (
-    ConfigOpt, DataDirOpt, HotkeyOpt, LogFormatOpt, NetuidOpt, NetworkOpt, NoDashboardOpt,
-    PresetOpt, SandboxDirOpt, WalletOpt, WalletPathOpt, chain_overrides, cli_errors, load,
-)
+from dtrain.cli.common import PresetOpt, cli_errors, load
+from dtrain.cli.node_options import NodeOptions, node_command
 
 
 @cli_errors
+@node_command
 def mine(
-    config: ConfigOpt = None,
-    network: NetworkOpt = None,
-    netuid: NetuidOpt = None,
-    wallet: WalletOpt = None,
-    wallet_hotkey: HotkeyOpt = None,
-    wallet_path: WalletPathOpt = None,
-    sandbox_dir: SandboxDirOpt = None,
-    data_dir: DataDirOpt = None,
+    node: NodeOptions,
     preset: PresetOpt = None,
-    device: Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help="Miner API port.")] = None,
     external_address: Annotated[Optional[str], typer.Option(
         "--external-address", help="host:port validators use to reach the API (committed on chain).")] = None,
@@ -32,17 +23,14 @@ def mine(
         "--initial-peer", help="Extra hivemind multiaddr to bootstrap from (repeatable).")] = None,
     max_rounds: Annotated[Optional[int], typer.Option(
         "--max-rounds", min=1, help="Stop cleanly after this many all-reduce rounds (default: run until Ctrl-C).")] = None,
-    no_dashboard: NoDashboardOpt = False,
-    log_format: LogFormatOpt = None,
     adversary: Annotated[Optional[str], typer.Option(
         "--adversary", hidden=True, help="Misbehave on purpose (sandbox and tests only).")] = None,
 ) -> None:
     """Train, share gradients with the swarm, and answer validators. Ctrl-C saves and exits 0."""
-    cfg = load(config, {
-        **chain_overrides(network, netuid, wallet, wallet_hotkey, wallet_path, sandbox_dir),
-        "node.data_dir": str(data_dir) if data_dir else None, "model.preset": preset, "miner.device": device,
-        "api.port": port, "api.external_address": external_address, "hub.repo": repo,
-        "allreduce.initial_peers": list(initial_peer) if initial_peer else None, "node.log_format": log_format,
+    cfg = load(node.config, {
+        **node.overrides(),
+        "model.preset": preset, "api.port": port, "api.external_address": external_address, "hub.repo": repo,
+        "allreduce.initial_peers": list(initial_peer) if initial_peer else None,
     })
     from dtrain.cli.neuron_runner import run_neuron
 
@@ -51,4 +39,4 @@ def mine(
 
         return Miner(cfg, telemetry, stop, adversary=adversary, max_rounds=max_rounds)
 
-    raise typer.Exit(run_neuron(cfg, "miner", no_dashboard, build))
+    raise typer.Exit(run_neuron(cfg, "miner", node.no_dashboard, build))

@@ -112,7 +112,9 @@ class NeuronBase:
         peers = peer_maddrs(commitments.values())
         self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
         self.swarm = GradientSwarm(
-            self.node.dht, [p.detach() for p in self.trainer.params], self.bench.fingerprint,
+            # Matching on the swarm fingerprint (model + swarm-wide settings) makes a peer with
+            # other settings WRONG_MODEL instead of silently averaging out-of-step gradients.
+            self.node.dht, [p.detach() for p in self.trainer.params], self.bench.swarm_fingerprint,
             runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
             # Peers that fall behind download parameters, optimizer moments and counters from us.
             state_provider=self._shared_state,

@@ -217,7 +217,7 @@ class Miner(NeuronBase):
             return False  # a lazy miner never trains
         if time.monotonic() < self._data_retry_at:
             return False
-        return self.trainer.accumulated_samples < self.cfg.miner.local_batch_size
+        return self.trainer.accumulated_samples < self.cfg.training.local_batch_size
 
     def _train_own_page(self) -> None:
         from dtrain.training.data import assign_pages
@@ -245,7 +245,7 @@ class Miner(NeuronBase):
                                epoch=self.epoch, inner_step=self.trainer.counters.inner_step,
                                samples=self.trainer.counters.samples, tokens=self.trainer.counters.tokens,
                                samples_accumulated=self.trainer.accumulated_samples,
-                               local_batch=self.cfg.miner.local_batch_size)
+                               local_batch=self.cfg.training.local_batch_size)
 
     # ------------------------------------------------------------------ API handlers (server threads)
 
@@ -256,7 +256,7 @@ class Miner(NeuronBase):
             version=__version__, uid=self.uid, epoch=self.epoch, kind="miner",
             samples=self.trainer.counters.samples, samples_accumulated=self.trainer.accumulated_samples,
             inner_step=self.trainer.counters.inner_step, model_fingerprint=self.bench.fingerprint,
-            params_digest=self._digest, peer_id=self.node.peer_id, maddrs=tuple(self._maddrs), loss=loss,
+            swarm_fingerprint=self.bench.swarm_fingerprint, params_digest=self._digest, peer_id=self.node.peer_id, maddrs=tuple(self._maddrs), loss=loss,
             state=snap.state,
         )
 

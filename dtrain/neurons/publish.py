@@ -47,17 +47,13 @@ def find_checkpoint(cfg: Config, explicit: Path | None = None) -> Path:
 def export_checkpoint(cfg: Config, checkpoint_dir: Path, dest: Path) -> str:
     """Write the checkpoint's model as a Hugging Face folder into ``dest``; return its tag."""
     from dtrain.hub.tags import format_tag
-    from dtrain.neurons.runtime import load_tokenizer_for
+    from dtrain.neurons.runtime import build_model, load_tokenizer_for
     from dtrain.training.checkpoint import load_checkpoint
-    from dtrain.training.models import create_model, load_pretrained_model
 
     state = load_checkpoint(checkpoint_dir)
-    if cfg.model.hub_id:
-        model = load_pretrained_model(cfg.model.hub_id)
-    else:
-        _, info = load_tokenizer_for(cfg)
-        model = create_model(cfg.model.preset, vocab_size=info.vocab_size, eos_token_id=info.eos_token_id,
-                             n_positions=cfg.model.seq_len)
+    # The tokenizer is read only for the vocabulary size the model is built with.
+    _, info = load_tokenizer_for(cfg)
+    model = build_model(cfg, info)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:

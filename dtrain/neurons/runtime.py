@@ -33,7 +33,8 @@ class Workbench:
     trainer: Any
     reader: Any
     tokenizer_info: Any
-    fingerprint: str
+    fingerprint: str  # the model's architecture and shapes (checkpoints are checked against it)
+    swarm_fingerprint: str  # the model fingerprint plus every swarm-wide setting (the swarm's identity)
     run_id: str
     param_count: int
 
@@ -77,11 +78,11 @@ def open_chain_for(cfg: Config, wallet=None, hotkey: str | None = None):
 def resolve_device(cfg: Config) -> str:
     import torch
 
-    if cfg.miner.device == "auto":
+    if cfg.training.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.miner.device.startswith("cuda") and not torch.cuda.is_available():
-        raise NeuronError(f"miner.device is {cfg.miner.device!r} but no CUDA device is available")
-    return cfg.miner.device
+    if cfg.training.device.startswith("cuda") and not torch.cuda.is_available():
+        raise NeuronError(f"training.device is {cfg.training.device!r} but no CUDA device is available")
+    return cfg.training.device
 
 
 def load_tokenizer_for(cfg: Config):
@@ -122,17 +123,32 @@ def trainer_config(cfg: Config, device: str):
     from dtrain.training.trainer import TrainerConfig
 
     return TrainerConfig(
-        micro_batch_size=cfg.miner.micro_batch_size,
-        local_batch_size=cfg.miner.local_batch_size,
-        optimizer=cfg.miner.optimizer,
-        lr=cfg.miner.lr,
-        weight_decay=cfg.miner.weight_decay,
-        warmup_steps=cfg.miner.warmup_steps,
-        total_steps=cfg.miner.total_steps,
-        grad_clip=cfg.miner.grad_clip or None,
-        precision=cfg.miner.precision,
+        micro_batch_size=cfg.training.micro_batch_size,
+        local_batch_size=cfg.training.local_batch_size,
+        optimizer=cfg.training.optimizer,
+        lr=cfg.training.lr,
+        weight_decay=cfg.training.weight_decay,
+        warmup_steps=cfg.training.warmup_steps,
+        total_steps=cfg.training.total_steps,
+        grad_clip=cfg.training.grad_clip or None,
+        precision=cfg.training.precision,
         device=device,
     )
+
+
+def build_model(cfg: Config, tokenizer_info, *, n_positions: int | None = None):
+    """The configured model with its initial weights: the Hub checkpoint named by
+    ``model.hub_id``, else the preset initialised from a seed derived from the run id."""
+    from dtrain.training.models import create_model, load_pretrained_model
+
+    if cfg.model.hub_id:
+        return load_pretrained_model(cfg.model.hub_id)
+    # Every peer initialises from the same seed, so a fresh swarm starts from identical
+    # weights without downloading anything.
+    seed = int.from_bytes(cfg.model.run_id.encode()[:8].ljust(8, b"\0"), "little") % (2**31)
+    return create_model(cfg.model.preset, vocab_size=tokenizer_info.vocab_size,
+                        eos_token_id=tokenizer_info.eos_token_id,
+                        n_positions=n_positions or max(cfg.model.seq_len, 1), seed=seed)
 
 
 def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench:
@@ -141,27 +157,47 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench
     ``n_positions`` overrides the architecture; only the wrong-model adversary uses it.
     """
     from dtrain.training.data import PageReader, PageSpec
-    from dtrain.training.models import count_parameters, create_model, load_pretrained_model, model_fingerprint
+    from dtrain.training.models import count_parameters, model_fingerprint
     from dtrain.training.trainer import Trainer
 
     tokenizer, info = load_tokenizer_for(cfg)
     if info.is_fallback:
         log.warning("tokenizer: %s (%s)", info.name, info.reason)
-    if cfg.model.hub_id:
-        model = load_pretrained_model(cfg.model.hub_id)
-    else:
-        # Every peer initialises from the same seed, derived from the run id, so a fresh
-        # swarm starts from identical weights without downloading anything.
-        seed = int.from_bytes(cfg.model.run_id.encode()[:8].ljust(8, b"\0"), "little") % (2**31)
-        model = create_model(cfg.model.preset, vocab_size=info.vocab_size, eos_token_id=info.eos_token_id,
-                             n_positions=n_positions or max(cfg.model.seq_len, 1), seed=seed)
+    model = build_model(cfg, info, n_positions=n_positions)
     device = resolve_device(cfg)
     trainer = Trainer(model, trainer_config(cfg, device))
     reader = PageReader(data_source_for(cfg), tokenizer, PageSpec(seq_len=cfg.model.seq_len,
                                                                    page_sequences=cfg.data.page_sequences))
+    model_fp = model_fingerprint(trainer.model)
     return Workbench(model=trainer.model, trainer=trainer, reader=reader, tokenizer_info=info,
-                     fingerprint=model_fingerprint(trainer.model), run_id=cfg.model.run_id,
+                     fingerprint=model_fp, swarm_fingerprint=swarm_fingerprint(cfg, model_fp), run_id=cfg.model.run_id,
                      param_count=count_parameters(trainer.model))
+
+
+def swarm_fingerprint(cfg: Config, model_fingerprint: str) -> str:
+    """What peers of one swarm must share, as one hash: the model fingerprint, every setting
+    marked swarm-wide in the config schema, and the protocol constants that decide pages and
+    gradient sketches.
+
+    It is the fingerprint peers match on in the all-reduce, so a peer whose swarm-wide
+    settings differ is reported WRONG_MODEL instead of averaging gradients that were computed
+    on other pages or will be applied with another learning rate.
+    """
+    import hashlib
+    import json
+
+    from dtrain.config import swarm_settings
+    from dtrain.training.data import ASSIGNMENT_VERSION, MAX_UIDS
+    from dtrain.training.fingerprint import FINGERPRINT_VERSION
+
+    settings = swarm_settings(cfg)
+    if cfg.data.source != "fineweb":
+        # the Hub dataset names are not read for local text; a stale value must not split a swarm
+        settings.pop("data.dataset", None)
+        settings.pop("data.dataset_config", None)
+    doc = {"format": "dtrain-swarm/1", "model": model_fingerprint, "settings": settings, "max_uids": MAX_UIDS,
+           "pages": ASSIGNMENT_VERSION, "sketch": FINGERPRINT_VERSION}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def averaging_config(cfg: Config, log_path: Path | None):

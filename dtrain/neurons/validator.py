@@ -228,8 +228,15 @@ class Validator(NeuronBase):
 
         if probe.status is None or probe.shared_peer_id:
             return
+        theirs = probe.status.swarm_fingerprint
+        if theirs is not None and theirs != self.bench.swarm_fingerprint:
+            # Its pages, model or optimizer step differ from ours: its work cannot be verified
+            # here, and the all-reduce will refuse it as WRONG_MODEL. Say why in the round record.
+            probe.note = (f"swarm-wide settings differ from this validator's (swarm fingerprint {theirs[:12]}, "
+                          f"ours {self.bench.swarm_fingerprint[:12]}; docs/configuration.md)")
+            return
         challenge = TrainRequest(nonce=nonce, epoch=self.epoch, pages=self.cfg.validator.pages_per_query,
-                                 micro_batch_size=self.cfg.miner.micro_batch_size, params_digest=self._digest)
+                                 micro_batch_size=self.cfg.training.micro_batch_size, params_digest=self._digest)
         t0 = time.perf_counter()
         try:
             probe.train = self.client.train(probe.api, probe.hotkey, challenge, timeout=300)
@@ -265,7 +272,7 @@ class Validator(NeuronBase):
             probe.note = f"out of sync (epoch {answer.epoch}, ours {self.epoch})"
             return
         reader = self.bench.reader
-        mbs = self.cfg.miner.micro_batch_size
+        mbs = self.cfg.training.micro_batch_size
         pages = assign_pages(run_id=self.bench.run_id, uid=probe.uid, epoch=self.epoch, page_counter=0,
                              count=self.cfg.validator.pages_per_query, num_pages=reader.num_pages, nonce=nonce)
         tokens = reader.read_pages(pages)
@@ -308,7 +315,7 @@ class Validator(NeuronBase):
 
     def _weight_cap(self) -> float:
         """The most samples an honest miner brings to a round: its local batch plus our Train pages."""
-        return float(self.cfg.miner.local_batch_size
+        return float(self.cfg.training.local_batch_size
                      + self.cfg.validator.pages_per_query * self.cfg.data.page_sequences)
 
     def _allreduce(self, probes: list[Probe], round_no: int):
@@ -452,7 +459,7 @@ class Validator(NeuronBase):
 
         from dtrain.training.trainer import microbatch_loss
 
-        mbs = self.cfg.miner.micro_batch_size
+        mbs = self.cfg.training.micro_batch_size
         losses = []
         with torch.no_grad():
             x_all = self.eval_tokens.to(self.trainer.device)

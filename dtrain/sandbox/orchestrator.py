@@ -61,7 +61,7 @@ def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
     cfg.node.data_dir = str(layout.neuron_dir(root, member.name) / "data")
     cfg.model.preset, cfg.model.seq_len, cfg.model.run_id = "tiny", 128, RUN_ID
     cfg.data.source, cfg.data.tokenizer, cfg.data.page_sequences = "local", "shipped", 8
-    m = cfg.miner
+    m = cfg.training
     m.micro_batch_size, m.local_batch_size = 8, 16
     m.lr, m.warmup_steps, m.total_steps, m.device, m.precision = 2e-3, 0, 1000, "cpu", "fp32"
     v = cfg.validator

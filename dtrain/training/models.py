@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from dtrain.training.errors import ModelLoadError
 
@@ -202,7 +202,3 @@ def model_fingerprint(model) -> str:
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
-
-def presets_table() -> list[dict]:
-    """Presets as dicts (for docs and ``status``)."""
-    return [asdict(p) for p in PRESETS.values()]
