@@ -8,7 +8,9 @@ import pytest
 
 from tests.conftest import run_dtrain
 
-pytestmark = pytest.mark.slow
+# The module fixture runs a whole sandbox inside the first test's setup; pytest-timeout
+# counts it, so the limit is the fixture's own hang guard, not the 600 s default.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 KINDS = ["lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner"]
 

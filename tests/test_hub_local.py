@@ -222,9 +222,11 @@ def test_pusher_enqueue_is_immediate_and_pushes(tmp_path, ckpt):
     store.gate.clear()  # the "network" hangs
     before = _tree_digest(ckpt)
     with BackgroundPusher(store, tmp_path / "staging") as p:
-        t0 = time.perf_counter()
-        p.enqueue(ckpt, "r.0.1")
-        assert time.perf_counter() - t0 < 0.05
+        # enqueue must return while the upload is still blocked (the gate stays closed)
+        caller = threading.Thread(target=p.enqueue, args=(ckpt, "r.0.1"))
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive() and not store.gate.is_set()
         assert store.entered.wait(5)
         st = p.status()
         assert st.uploading == "r.0.1" and st.pending == ("r.0.1",)

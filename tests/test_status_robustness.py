@@ -159,9 +159,10 @@ def hostile_subnet(tmp_path):
 def test_hostile_miners_cannot_crash_or_hang_status(hostile_subnet):
     cfg, uids = hostile_subnet
     started = time.monotonic()
-    doc = collect_status(cfg, probe_timeout=2.0)
-    # Probes run in parallel, each bounded in total: the trickler costs ~2 s, not 50.
-    assert time.monotonic() - started < 15
+    doc = collect_status(cfg, probe_timeout=5.0)
+    # Probes run in parallel, each bounded in total. Unbounded, the trickler alone would take
+    # 70 s; the guard is far above the ~5 s bound so a loaded machine cannot trip it.
+    assert time.monotonic() - started < 45
     assert doc["chain_error"] is None
     json.dumps(doc, allow_nan=False)  # strict JSON as collected
     miners = {m["uid"]: m for m in doc["miners"]}
@@ -200,7 +201,7 @@ def test_non_finite_values_anywhere_become_null(hostile_subnet, tmp_path):
         "recent_rounds": [{"round": 1, "fraction_averaged": float("inf"), "loss_after": float("nan"),
                            "miners": [{"uid": 1, "outcome": "ok"}, "junk"]}, "junk"],
     }))
-    doc = collect_status(cfg, probe_timeout=1.0)
+    doc = collect_status(cfg, probe_timeout=5.0)
     assert _all_finite(doc)
     json.dumps(doc, allow_nan=False)
     assert doc["local"]["loss"] is None and doc["local"]["extra"] == [1.0, None, {"x": None}]
@@ -221,7 +222,7 @@ def test_an_unusable_validator_state_is_named_not_half_read(hostile_subnet, tmp_
     path = tmp_path / "data" / "validator-x" / "state.json"
     path.parent.mkdir()
     path.write_text(json.dumps({"version": 1, "ema": {str(uids["good"]): float("nan")}}))
-    doc = collect_status(cfg, probe_timeout=1.0)
+    doc = collect_status(cfg, probe_timeout=5.0)
     assert str(path) in doc["validator_state_error"] and "non-finite" in doc["validator_state_error"]
     assert all(m["score"] is None for m in doc["miners"]) and doc["rounds"] == []
     assert doc["chain_error"] is None and len(doc["miners"]) == len(uids)  # the rest is still reported

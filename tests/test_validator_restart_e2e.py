@@ -9,7 +9,9 @@ import pytest
 from dtrain.sandbox import layout
 from dtrain.sandbox.orchestrator import Sandbox, SandboxOptions
 
-pytestmark = pytest.mark.slow
+# The module fixture runs a whole sandbox inside the first test's setup; pytest-timeout
+# counts it, so the limit is the fixture's own hang guard, not the 600 s default.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _state(root):

@@ -1,0 +1,45 @@
+"""What a real all-reduce round guarantees, checked element by element.
+
+hivemind can lose a reducer's part on a loaded machine (docs/swarm.md, "fraction_averaged"):
+the senders of that part keep their local values for it and record the reducer as FAIL.
+Tests of the averaging numerics therefore assert the round's contract, which holds whether
+or not a part was lost, instead of hoping that none was:
+
+* wherever two peers both received an average, they hold the same bits;
+* each peer's ``fraction_averaged`` is the share of its vector that changed;
+* a peer that averaged less than everything names a failed peer and a reason.
+
+The elements every peer averaged are returned, for the test to check the values.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dtrain.swarm.records import Outcome, RoundRecord
+
+
+def check_round_contract(originals: Sequence[torch.Tensor], results: Sequence[torch.Tensor],
+                         records: Sequence[RoundRecord]) -> torch.Tensor:
+    """Assert the contract above; return a mask of the elements all peers averaged."""
+    before = torch.stack([t.reshape(-1) for t in originals])
+    after = torch.stack([t.reshape(-1) for t in results])
+    # An average of randn inputs never equals an input by chance. A reducer that lost every
+    # other sender "averages" only its own part, and its lossy round trip (fp16, 8-bit) can
+    # return a few inputs unchanged, hence the share tolerance below; a lost part is a whole
+    # reducer's share (thousands of elements), far above it.
+    changed = after != before
+    for i in range(len(results)):
+        for j in range(i + 1, len(results)):
+            both = changed[i] & changed[j]
+            assert torch.equal(after[i][both], after[j][both]), f"peers {i} and {j} disagree on averaged elements"
+    for i, record in enumerate(records):
+        assert not record.error, record.error
+        share = float(changed[i].double().mean())
+        assert abs(record.fraction_averaged - share) < 0.005, (i, record.fraction_averaged, share)
+        if record.fraction_averaged < 1.0:
+            failed = [p for p in record.peers if p.outcome == Outcome.FAIL and p.reason]
+            assert failed, f"peer {i} averaged {share:.0%} but its record names no failed peer"
+    return changed.all(dim=0)
