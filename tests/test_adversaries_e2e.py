@@ -35,14 +35,24 @@ def test_each_adversary_ends_below_a_quarter_of_the_weakest_honest_miner(run):
             assert m["weight"] <= 0.25 * weakest, (m["kind"], m["weight"], weakest)
 
 
+def _outcomes(run, miner) -> list[str]:
+    """The miner's all-reduce outcome in every round, from the validator's own records."""
+    return [r["outcomes"].get(str(miner["uid"]), "") for r in run["rounds"]]
+
+
 def test_each_adversary_is_caught_for_its_own_reason(run):
     seen = {m["kind"]: m for m in run["miners"]}
     assert "verification_failed" in seen["lazy"]["gated"]
     assert "verification_failed" in seen["copycat"]["gated"]
-    assert seen["wrong-model"]["outcome"] == "WRONG_MODEL"
-    assert seen["freeloader"]["outcome"] == "NON_PARTICIPATING"
     assert "inflated_claim" in seen["inflated-weight"]["gated"]
-    assert seen["poisoner"]["outcome"] == "FAIL"
+    assert set(_outcomes(run, seen["freeloader"])) == {"NON_PARTICIPATING"}
+    # Whether a miner joins a given round's 5 s matchmaking window is up to the scheduler of
+    # a loaded machine, so the all-reduce cheats are judged over every round: caught in each
+    # round it joined (and it joined at least one), never averaged in.
+    for kind, caught in (("wrong-model", "WRONG_MODEL"), ("poisoner", "FAIL")):
+        outcomes = _outcomes(run, seen[kind])
+        joined = [o for o in outcomes if o not in ("NON_PARTICIPATING", "NOT_ALIVE")]
+        assert joined and set(joined) == {caught}, (kind, outcomes)
 
 
 def test_poisoner_and_inflated_weight_do_not_stop_the_loss_falling(run):
