@@ -364,6 +364,10 @@ def test_openapi_document(served):
     body = doc["paths"]["/v1/train"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]["required"] == [
         "nonce", "epoch", "pages", "micro_batch_size"]
+    # what is served over HTTP is exactly the message types (which also write docs/protocol.md)
+    from dtrain.api.messages import MESSAGES
+
+    assert doc["components"]["schemas"] == json.loads(json.dumps({m.__name__: m.json_schema() for m in MESSAGES}))
 
 
 def test_slow_handler_does_not_block_status(served, wallets):

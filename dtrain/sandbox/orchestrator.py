@@ -194,8 +194,13 @@ class Sandbox:
             raise SandboxError(f"{miners[0].name} did not come up; see {first.log}")
         for member in miners[1:]:
             self._spawn(member, [])
+        # They start together and share the CPU: on a 2-core machine eight neurons took over
+        # four minutes to import torch, hivemind and bittensor and commit. A neuron that dies
+        # is noticed at once (_wait_for_commitment polls the processes), so this deadline is
+        # only a hang guard and grows with the number starting at once.
+        deadline = time.monotonic() + 240 + 60 * len(miners[1:])
         for member in miners[1:]:
-            if not self._wait_for_commitment(member.hotkey, 240):
+            if not self._wait_for_commitment(member.hotkey, max(1.0, deadline - time.monotonic())):
                 raise SandboxError(f"{member.name} did not come up; see {layout.neuron_dir(self.root, member.name)}/log.txt")
         self.on_event(f"all {len(miners)} miners committed; starting the validator")
         self._spawn(validator, ["--max-rounds", str(self.options.rounds)])
