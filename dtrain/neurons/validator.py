@@ -369,6 +369,10 @@ class Validator(NeuronBase):
             if outcome is None:
                 outcome = Outcome.NOT_ALIVE if probe.status is None else Outcome.NON_PARTICIPATING
             probe.outcome = outcome.value
+            if outcome != Outcome.SUCCESS and not probe.note:
+                # say why the round did not count the miner (the swarm's reason, e.g. a lost part)
+                probe.note = next((p.reason for p in record.peers if p.peer_id == probe.peer_id and p.reason),
+                                  "did not join the all-reduce")
             # The all-reduce figures in a miner's reply are its own claims, so bandwidth is
             # scored on the state slice this validator timed (and checked) itself.
             train = None

@@ -306,7 +306,8 @@ def build_summary(root: Path, wall_s: float | None = None) -> dict:
                        "fraction_averaged": r.get("fraction_averaged"), "error": r.get("error", ""),
                        "loss_before": r.get("loss_before"), "loss_after": r.get("loss_after"),
                        "verify_s": r.get("verify_s"), "train_query_s": r.get("train_query_s"),
-                       "outcomes": {str(m["uid"]): m["outcome"] for m in r.get("miners", [])}})
+                       "outcomes": {str(m["uid"]): m["outcome"] for m in r.get("miners", [])},
+                       "notes": {str(m["uid"]): m.get("note", "") for m in r.get("miners", []) if m.get("note")}})
     last_scores = {int(k): v for k, v in state.get("last_scores", {}).items()}
     ema = {int(k): float(v) for k, v in state.get("ema", {}).items()}
     miners = []
