@@ -365,14 +365,15 @@ class Validator(NeuronBase):
         claimed_by_peer = {p.peer_id: p.weight_claimed for p in record.peers}
         inputs = {}
         for probe in probes:
-            outcome = record.outcome_of(probe.peer_id)
-            if outcome is None:
+            result = record.result_of(probe.peer_id)
+            if result is not None:
+                outcome = result.outcome
+            else:
                 outcome = Outcome.NOT_ALIVE if probe.status is None else Outcome.NON_PARTICIPATING
             probe.outcome = outcome.value
             if outcome != Outcome.SUCCESS and not probe.note:
                 # say why the round did not count the miner (the swarm's reason, e.g. a lost part)
-                probe.note = next((p.reason for p in record.peers if p.peer_id == probe.peer_id and p.reason),
-                                  "did not join the all-reduce")
+                probe.note = (result.reason if result is not None else "") or "did not join the all-reduce"
             # The all-reduce figures in a miner's reply are its own claims, so bandwidth is
             # scored on the state slice this validator timed (and checked) itself.
             train = None

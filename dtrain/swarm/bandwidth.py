@@ -76,6 +76,7 @@ def _average_locally(nodes, swarms: list, numel: int, seed: int, compression: st
                      part_size_bytes: int, progress: ProgressFn) -> dict:
     """One timed round among already-started loopback ``nodes``; averagers go into ``swarms``."""
     from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+    from dtrain.swarm.records import Outcome
 
     peers = len(nodes)
     data = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(peers)]
@@ -114,16 +115,18 @@ def _average_locally(nodes, swarms: list, numel: int, seed: int, compression: st
     _notify(progress, "checking", 0.95)
     errors = [r.error for r in records if r is None or r.error] if all(records) else ["a peer did not finish"]
     seconds = max((r.allreduce_s for r in records if r is not None), default=0.0)
-    max_err = max(float((o.double() - exact).abs().max()) for o in outputs)
     # Where a reducer's part was lost, its senders keep their local values (docs/swarm.md); the
     # error over the elements that did change says whether every average that arrived is exact.
-    max_err_averaged = max(
-        (float((o.double() - exact)[o != d].abs().max()) for o, d in zip(outputs, data) if bool((o != d).any())),
-        default=0.0,
-    )
+    max_err = max_err_averaged = 0.0
+    for out, sent in zip(outputs, data):
+        error = (out.double() - exact).abs()
+        max_err = max(max_err, float(error.max()))
+        averaged = error[out != sent]
+        if averaged.numel():
+            max_err_averaged = max(max_err_averaged, float(averaged.max()))
     failures = [f"peer {i} ({r.local_peer_id[-8:]}): {p.outcome.value} {p.peer_id[-8:]}: {p.reason}"
                 for i, r in enumerate(records) if r is not None
-                for p in r.peers if p.outcome.value != "SUCCESS"]
+                for p in r.peers if p.outcome != Outcome.SUCCESS]
     if not errors and max_err > 1e-5 and compression == "none":
         errors = [f"the average was not exact (max error {max_err:.3g})"] + failures
     size_bytes = numel * 4

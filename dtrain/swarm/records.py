@@ -85,11 +85,12 @@ class RoundRecord:
     def ok(self) -> bool:
         return not self.error and self.fraction_averaged > 0
 
+    def result_of(self, peer_id: str) -> Optional[PeerResult]:
+        return next((p for p in self.peers if p.peer_id == peer_id), None)
+
     def outcome_of(self, peer_id: str) -> Optional[Outcome]:
-        for p in self.peers:
-            if p.peer_id == peer_id:
-                return p.outcome
-        return None
+        result = self.result_of(peer_id)
+        return None if result is None else result.outcome
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
