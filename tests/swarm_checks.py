@@ -20,6 +20,14 @@ import torch
 
 from dtrain.swarm.records import Outcome, RoundRecord
 
+# Matchmaking timing for loopback tests on a loaded 2-core machine. A follower gives up on its
+# leader request_timeout after its own expiry; a leader that sends "begin" later (an event
+# loop stalled for a second under load) still counts that follower in the group, and the
+# round then misses one peer ("could not find a group" on its side). 1.5 s of slack makes
+# that improbable; request_timeout must stay below min_matchmaking_time or hivemind's
+# matchmaking can deadlock.
+LOOPBACK_MATCHMAKING = dict(min_matchmaking_time_s=3.0, request_timeout_s=1.5)
+
 
 def check_round_contract(originals: Sequence[torch.Tensor], results: Sequence[torch.Tensor],
                          records: Sequence[RoundRecord]) -> torch.Tensor:

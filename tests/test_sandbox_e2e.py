@@ -60,7 +60,9 @@ def test_stdout_is_one_json_document(sandbox):
 
 def test_every_neuron_stopped_cleanly_and_nothing_is_left_running(sandbox):
     root, doc, _ = sandbox
-    assert doc["exit_codes"] and all(code == 0 for code in doc["exit_codes"].values()), doc["exit_codes"]
+    assert doc["exit_codes"] and all(code == 0 for code in doc["exit_codes"].values()), \
+        (doc["exit_codes"], doc["stop_notes"])
+    assert doc["stop_notes"] == {}
     assert _processes_mentioning(str(root)) == []  # no neuron, no p2pd (its -id= path lives under root)
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import pytest
 import torch
 
-from dtrain.swarm.averaging import AveragingConfig, FaultInjection, GradientSwarm
+from dtrain.swarm.averaging import AveragingConfig, FaultInjection, GradientSwarm, Interrupted
 from dtrain.swarm.records import Outcome, read_records
 from dtrain.swarm.testing import local_nodes, run_concurrently
-from tests.swarm_checks import check_round_contract
+from tests.swarm_checks import LOOPBACK_MATCHMAKING, check_round_contract
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +31,7 @@ def _cfg(group: int, **kw) -> AveragingConfig:
         prefix=f"t{next(_prefix_counter)}",
         min_group_size=group,
         target_group_size=group,
-        min_matchmaking_time_s=1.5,
-        request_timeout_s=0.5,  # below min_matchmaking_time, or hivemind's matchmaking can deadlock
+        **LOOPBACK_MATCHMAKING,
         matchmaking_timeout_s=60,
         allreduce_timeout_s=120,
         # Slowness is not what these tests check (test_slow_sender sets its own): on a loaded
@@ -255,13 +256,38 @@ def test_slow_sender_is_banned_others_complete(nodes):
 
 def test_no_group_keeps_local_values(nodes):
     t = torch.full((100,), 4.0)
-    swarm = GradientSwarm(nodes[0].dht, [t], "model-a", _cfg(2, min_matchmaking_time_s=0.5))
+    swarm = GradientSwarm(nodes[0].dht, [t], "model-a", _cfg(2, min_matchmaking_time_s=0.5, request_timeout_s=0.25))
     try:
         rec = swarm.run_round([t], weight=1, cap=1, timeout_s=2, expected_peers=[nodes[1].peer_id])
     finally:
         swarm.shutdown()
     assert rec.error and bool((t == 4.0).all())
     assert rec.outcome_of(nodes[1].peer_id) == Outcome.NON_PARTICIPATING
+
+
+def test_stop_abandons_a_round_and_a_catch_up(nodes):
+    # A neuron that gets SIGINT mid-round must not sit out the matchmaking timeout (here 600 s)
+    # before it can checkpoint and leave: the round ends soon after ``stop`` is set.
+    t = torch.full((100,), 4.0)
+    swarm = GradientSwarm(nodes[0].dht, [t], "model-a", _cfg(2))
+    stop = threading.Event()
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(rec=swarm.run_round([t], weight=1, cap=1, timeout_s=600,
+                                                                            stop=stop)))
+    try:
+        worker.start()
+        while swarm.stage != "LOOKING_FOR_GROUP":  # the round is really waiting for a group
+            time.sleep(0.05)
+        stop.set()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "run_round ignored its stop event"
+        rec = box["rec"]
+        assert rec.error.startswith("Interrupted") and bool((t == 4.0).all())
+        with pytest.raises(Interrupted):
+            swarm.load_state_from_peers(timeout_s=600, stop=stop)
+    finally:
+        stop.set()
+        swarm.shutdown()
 
 
 def test_identical_parameters_after_round(nodes):

@@ -77,6 +77,8 @@ def sandbox(
         raise typer.Exit(130)
     summary = box.summary()
     _save_summary(box.root, summary)
+    for name, why in summary["stop_notes"].items():
+        err(f"sandbox: {name} did not stop cleanly: {why}")
     if directory is None:
         summary["dir"] = None  # the temporary directory is gone after this command
     box.cleanup()

@@ -191,7 +191,7 @@ class NeuronBase:
 
         self.tel.event("catching up: loading model state from a peer")
         try:
-            loaded = self.swarm.load_state_from_peers(timeout_s=30)
+            loaded = self.swarm.load_state_from_peers(timeout_s=30, stop=self.stop)
         except Exception as exc:
             self.tel.event(f"catch-up failed: {exc!r}")
             return False

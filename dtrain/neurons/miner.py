@@ -344,7 +344,7 @@ class Miner(NeuronBase):
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "weight": weight})
         record = self.swarm.run_round(mean, weight=weight, cap=default_cap,
                                       tokens=samples * self.cfg.model.seq_len,
-                                      timeout_s=request.deadline_s, peer_caps=peer_caps)
+                                      timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop)
         metrics = self._apply_round(record, mean)
         if metrics is not None:
             self.page_counter = 0  # page counters restart with each epoch's fresh permutation

@@ -341,7 +341,7 @@ class Validator(NeuronBase):
             tensors = [z.clone() for z in self.zeros]
             record = self.swarm.run_round(tensors, weight=0.0, cap=0.0,
                                           expected_peers=[p.peer_id for p in probes], timeout_s=deadline,
-                                          peer_caps=caps)
+                                          peer_caps=caps, stop=self.stop)
             for f in futures:
                 f.result()
         # Joining with weight 0, this replica receives the same average and takes the same step.

@@ -29,7 +29,9 @@ from dtrain.sandbox.layout import Member
 NETUID = 38
 RUN_ID = "sandbox"
 VALIDATOR_STAKE = 1000.0
-GRACE_S = 40.0
+# How long a neuron gets to stop cleanly after SIGINT: a checkpoint, the pusher's drain and
+# hivemind's own shutdown timeouts (averager 5 s, DHT 3 s), with room for a slow 2-core host.
+GRACE_S = 60.0
 
 
 @dataclass
@@ -236,6 +238,14 @@ class Sandbox:
                 pass
         # Exit codes before the final kill: 0 means the neuron stopped cleanly on SIGINT.
         self.exit_codes = {child.member.name: child.process.poll() for child in self.children}
+        # A neuron that ignored SIGINT is killed below; say where it was stuck, for the report.
+        views = {row["name"]: row for row in self.neuron_views()}
+        self.stop_notes = {
+            child.member.name: (f"still running {GRACE_S:g} s after SIGINT, killed; last state "
+                                f"{views.get(child.member.name, {}).get('state')!r}, last log line: "
+                                f"{_last_line(child.log)!r}")
+            for child in self.children if child.process.poll() is None
+        }
         for child in self.children:
             # Even a neuron that exited cleanly may have left a daemon in its group.
             try:
@@ -273,7 +283,20 @@ class Sandbox:
     def summary(self) -> dict:
         doc = build_summary(self.root, wall_s=time.time() - self.started_at)
         doc["exit_codes"] = getattr(self, "exit_codes", {})
+        doc["stop_notes"] = getattr(self, "stop_notes", {})
         return doc
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a neuron's log (its tail only: logs can be large)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 4096))
+            lines = [line for line in fh.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
 
 
 def build_summary(root: Path, wall_s: float | None = None) -> dict:

@@ -31,7 +31,9 @@ import asyncio
 import hashlib
 import logging
 import math
+import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -80,6 +82,40 @@ class AveragingConfig:
     # A contribution whose announced L2 norm exceeds this many times the median norm of the
     # weighted peers is refused (a scaled/noisy "poisoned" gradient); 0 disables the check.
     max_norm_ratio: float = 10.0
+
+
+class Interrupted(Exception):
+    """A wait was abandoned because the caller's stop event was set."""
+
+
+# How often a blocked wait looks at its stop event: short enough that SIGINT ends a neuron
+# promptly, long enough to cost nothing.
+_STOP_POLL_S = 0.25
+
+
+def _wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Optional[float] = None):
+    """``future.result(timeout_s)``, but cancel the future and raise :class:`Interrupted` once ``stop`` is set.
+
+    hivemind's futures block in a lock that a signal does not wake; a neuron that got SIGINT
+    mid-round would otherwise sit out the whole matchmaking and all-reduce timeouts before it
+    could save its checkpoint and leave. Raises ``concurrent.futures.TimeoutError`` (and
+    cancels the future) after ``timeout_s``.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if stop is not None and stop.is_set():
+            future.cancel()
+            raise Interrupted("stopped while waiting for the swarm")
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            future.cancel()
+            raise FutureTimeout(f"no answer within {timeout_s:g} s")
+        wait_s = _STOP_POLL_S if remaining is None else min(_STOP_POLL_S, remaining)
+        try:
+            return future.result(timeout=wait_s)
+        except FutureTimeout:
+            if future.done():  # the future's own outcome is a timeout (Python 3.11: one class)
+                raise
 
 
 @dataclass
@@ -597,14 +633,17 @@ class GradientSwarm:
         tokens: int = 0,
         timeout_s: Optional[float] = None,
         peer_caps: Optional[dict[str, float]] = None,
+        stop: Optional[threading.Event] = None,
     ) -> RoundRecord:
         """Average ``tensors`` in place with whoever matchmakes; return this peer's RoundRecord.
 
         ``weight`` is the number of samples accumulated (0 for a validator), ``cap`` the largest
         weight this peer accepts from anyone, and ``peer_caps`` (peer id -> limit) tighter limits for
-        particular peers, such as the weight a validator has verified for each miner. On failure to form a group the tensors keep their
-        local values and the record carries ``error``. ``expected_peers`` (peer ids) that did
-        not join are reported NON_PARTICIPATING or NOT_ALIVE.
+        particular peers, such as the weight a validator has verified for each miner. On failure
+        to form a group the tensors keep their local values and the record carries ``error``.
+        ``expected_peers`` (peer ids) that did not join are reported NON_PARTICIPATING or
+        NOT_ALIVE. Setting ``stop`` (a neuron shutting down) abandons the round at once: the
+        tensors keep their local values and the record's error says it was interrupted.
         """
         if len(tensors) != len(self._buffers):
             raise ValueError(f"expected {len(self._buffers)} tensors, got {len(tensors)}")
@@ -636,7 +675,7 @@ class GradientSwarm:
                 allow_retries=True,
                 wait=False,
             )
-            result = self._step.result()
+            result = _wait_unless_stopped(self._step, stop)
             if result is None:
                 error = "no group formed"
         except Exception as e:  # hivemind surfaces matchmaking failures as various exception types
@@ -697,9 +736,13 @@ class GradientSwarm:
         if self._averager is not None:
             self._averager.state_sharing_priority = float(priority)
 
-    def load_state_from_peers(self, timeout_s: Optional[float] = 30.0):
-        """Download ``(metadata, tensors)`` from a peer that shares state (None if nobody answered)."""
-        return self._averager.load_state_from_peers(timeout=timeout_s)
+    def load_state_from_peers(self, timeout_s: Optional[float] = 30.0, stop: Optional[threading.Event] = None):
+        """Download ``(metadata, tensors)`` from a peer that shares state (None if nobody answered).
+
+        Raises :class:`Interrupted` when ``stop`` is set before the download finishes.
+        """
+        future = self._averager.load_state_from_peers(wait=False, timeout=timeout_s)
+        return _wait_unless_stopped(future, stop, timeout_s)
 
     def shutdown(self) -> None:
         if self._averager is not None:
