@@ -102,11 +102,12 @@ class NetnsLab:
             self._tbf(ns, inner, rate)  # upload
             self._tbf(b, outer, rate)  # download
 
-    def popen(self, i: int, argv: list[str]) -> subprocess.Popen:
+    def popen(self, i: int, argv: list[str], stderr=None) -> subprocess.Popen:
+        """Start ``argv`` in peer ``i``'s namespace; ``stderr`` is a file to log to (default: ours)."""
         return subprocess.Popen(
             ["ip", "netns", "exec", self.peer_ns[i], *argv],
             stdout=subprocess.PIPE,
-            stderr=None if os.environ.get("DTRAIN_NETNS_DEBUG") else subprocess.DEVNULL,
+            stderr=stderr,
             text=True,
             start_new_session=True,  # its own process group: killpg takes p2pd down with it
         )
@@ -162,7 +163,8 @@ def worker(args) -> int:
         while step_control.stage != AveragingStage.RUNNING_ALLREDUCE and not step_control.done():
             time.sleep(poll)
         t0 = time.monotonic()
-        step_control.result()
+        with contextlib.suppress(Exception):  # a failed round is reported in its row, not as a crash
+            step_control.result()
         return time.monotonic() - t0
 
     out = []
@@ -171,7 +173,10 @@ def worker(args) -> int:
             if impl == "dtrain":
                 cfg = AveragingConfig(
                     prefix=f"bench_dtrain_{args.peers}", min_group_size=args.peers, target_group_size=args.peers,
-                    min_matchmaking_time_s=args.matchmaking_s, request_timeout_s=1.0, matchmaking_timeout_s=120,
+                    # request_timeout below min_matchmaking_time (or matchmaking can deadlock), and
+                    # wide: a follower whose leader answers late drops out of a group it is counted in
+                    min_matchmaking_time_s=args.matchmaking_s, request_timeout_s=args.matchmaking_s / 2,
+                    matchmaking_timeout_s=120,
                     allreduce_timeout_s=300, sender_timeout_s=args.sender_timeout, part_size_bytes=args.part_size_bytes,
                     allow_state_sharing=False,
                 )
@@ -195,7 +200,8 @@ def worker(args) -> int:
                                         local_equal=int((data == mine).sum()), peer_id=rec.local_peer_id,
                                         outcomes={p.peer_id: p.outcome.value for p in rec.peers},
                                         reasons={p.peer_id: p.reason for p in rec.peers if p.reason},
-                                        ok=not rec.error and rec.fraction_averaged == 1.0, max_abs_error=err,
+                                        ok=not rec.error and rec.fraction_averaged == 1.0, error=rec.error,
+                                        max_abs_error=err,
                                         bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received))
                         swarm._step = None
                 finally:
@@ -205,7 +211,7 @@ def worker(args) -> int:
                 avg = DecentralizedAverager(
                     [data], node.dht, start=True, prefix=f"bench_hivemind_{args.peers}",
                     target_group_size=args.peers, min_group_size=args.peers,
-                    min_matchmaking_time=args.matchmaking_s, request_timeout=1.0,
+                    min_matchmaking_time=args.matchmaking_s, request_timeout=args.matchmaking_s / 2,
                 )
                 try:
                     for r in range(args.rounds):
@@ -248,12 +254,24 @@ def _read_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
     return box[0]
 
 
+def _tail(log_dir: str, i: int, lines: int = 40) -> str:
+    try:
+        with open(os.path.join(log_dir, f"worker{i}.log")) as fh:
+            return "".join(fh.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: str, part_size_bytes: int,
               matchmaking_s: float = 3.0, timeout_s: float = 400, peer_rates_mbit: dict | None = None,
               sender_timeout_s: float = 60.0, raw: list | None = None) -> dict:
     """Run one lab; ``raw`` (if given) receives every worker's per-round rows."""
     procs: list[subprocess.Popen] = []
-    with NetnsLab(peers, rate_mbit, peer_rates_mbit=peer_rates_mbit) as lab:
+    # Each worker logs (hivemind's warnings included) to its own file; a worker that does not
+    # finish is reported with the tail of its log, so a failure names its cause.
+    logs = tempfile.TemporaryDirectory(prefix="dtrain-netns-logs-")
+    log_files: list = []
+    with logs, NetnsLab(peers, rate_mbit, peer_rates_mbit=peer_rates_mbit) as lab:
         try:
             def start(i: int, boot: str | None) -> subprocess.Popen:
                 argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--ip", lab.ip(i),
@@ -262,13 +280,22 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
                         "--sender-timeout", str(sender_timeout_s)]
                 if boot:
                     argv += ["--initial-peer", boot]
-                return lab.popen(i, argv)
+                if os.environ.get("DTRAIN_NETNS_DEBUG"):
+                    return lab.popen(i, argv)
+                log_files.append(open(os.path.join(logs.name, f"worker{i}.log"), "w"))
+                return lab.popen(i, argv, stderr=log_files[-1])
+
+            def read(i: int, prefix: str, limit_s: float) -> str:
+                try:
+                    return _read_line(procs[i], prefix, limit_s)
+                except TimeoutError as exc:
+                    raise TimeoutError(f"worker {i}: {exc}; its log ends:\n{_tail(logs.name, i)}") from None
 
             procs.append(start(0, None))
-            boot = _read_line(procs[0], "MADDR ", 60)
+            boot = read(0, "MADDR ", 60)
             for i in range(1, peers):
                 procs.append(start(i, boot))
-            results = [json.loads(_read_line(p, "RESULT ", timeout_s)) for p in procs]
+            results = [json.loads(read(i, "RESULT ", timeout_s)) for i in range(peers)]
             if raw is not None:
                 raw.extend(results)
             for p in procs:  # workers exit by themselves after RESULT (clean DHT/p2pd shutdown)
@@ -284,6 +311,8 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
                     p.wait(10)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
+            for fh in log_files:
+                fh.close()
     size_bytes = int(size_mb * 2**20 / 4) * 4
     bound = 2.0 * size_bytes * (peers - 1) / peers / (rate_mbit * 1e6 / 8)
     summary: dict = dict(peers=peers, size_mb=size_mb, rate_mbit=rate_mbit, bound_s=bound, rounds=rounds)

@@ -79,7 +79,7 @@ def test_compressed_round_is_identical_on_all_peers(compression):
     from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
     from dtrain.swarm.testing import local_nodes, run_concurrently
 
-    from tests.swarm_checks import check_round_contract
+    from tests.swarm_checks import LOOPBACK_MATCHMAKING, check_round_contract
 
     torch.manual_seed(1)
     original = [torch.randn(20_000) for _ in range(3)]
@@ -92,7 +92,7 @@ def test_compressed_round_is_identical_on_all_peers(compression):
         data = [[t.clone()] for t in original]
         cfg = AveragingConfig(
             prefix=f"comp{compression}{attempt}", min_group_size=3, target_group_size=3,
-            min_matchmaking_time_s=1.5, request_timeout_s=0.5, compression=compression, part_size_bytes=8192,
+            **LOOPBACK_MATCHMAKING, compression=compression, part_size_bytes=8192,
             allow_state_sharing=False,
             bandwidth=10.0,  # a bandwidth makes hivemind solve the load-balancing LP (shimmed)
             sender_timeout_s=30.0, allreduce_timeout_s=120.0,  # a busy CI machine is not the subject here

@@ -9,6 +9,7 @@ from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
 from dtrain.swarm.bandwidth import link_bound_s, run_local
 from dtrain.swarm.diloco import DiLoCo, DiLoCoConfig, bytes_per_token
 from dtrain.swarm.testing import local_nodes, run_concurrently
+from tests.swarm_checks import LOOPBACK_MATCHMAKING
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ def test_diloco_sync_identical_and_nesterov():
     for m in models:
         m.load_state_dict(base.state_dict())
     cfg = AveragingConfig(
-        prefix="diloco", min_group_size=2, target_group_size=2, min_matchmaking_time_s=1.5, request_timeout_s=0.5,
+        prefix="diloco", min_group_size=2, target_group_size=2, **LOOPBACK_MATCHMAKING,
         allow_state_sharing=False,
     )
     with local_nodes(2) as nodes:

@@ -8,6 +8,7 @@ import torch
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
 from dtrain.swarm.records import Outcome
 from dtrain.swarm.testing import PeerProcess, local_nodes, run_concurrently
+from tests.swarm_checks import LOOPBACK_MATCHMAKING
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +22,13 @@ def test_peer_killed_mid_round():
                 # value 10: within 10x of the others' norms, so not refused as out of scale
                 "--initial-peer", boot, "--prefix", "killtest", "--numel", str(numel), "--value", "10",
                 "--group-size", "3", "--part-size-bytes", "4096", "--send-delay", "1.0",
-                "--sender-timeout", "3", "--matchmaking-time", "2",
+                "--sender-timeout", "3", "--matchmaking-time", str(LOOPBACK_MATCHMAKING["min_matchmaking_time_s"]),
             ]
         )
         try:
             victim_id = victim.wait_for_line("PEER ", timeout_s=60).split()[1]
             cfg = AveragingConfig(
-                prefix="killtest", min_group_size=3, target_group_size=3, min_matchmaking_time_s=2,
-                request_timeout_s=1, sender_timeout_s=3, part_size_bytes=4096,
+                prefix="killtest", min_group_size=3, target_group_size=3, **LOOPBACK_MATCHMAKING, sender_timeout_s=3, part_size_bytes=4096,
                 matchmaking_timeout_s=60, allreduce_timeout_s=60, allow_state_sharing=False,
             )
             data = [torch.full((numel,), 1.0), torch.full((numel,), 3.0)]

@@ -42,7 +42,7 @@ def _namespaces() -> set[str]:
 def test_rate_limited_round_is_exact_and_cleans_up():
     mod = _lab_module()
     before = _namespaces()
-    res = mod.run_group(3, 2.0, 200.0, 1, "dtrain", 2**17, matchmaking_s=2.0, timeout_s=120)
+    res = mod.run_group(3, 2.0, 200.0, 1, "dtrain", 2**17, matchmaking_s=3.0, timeout_s=120)
     assert res["dtrain"]["all_ok"] and res["dtrain"]["max_abs_error"] <= 1e-5
     assert res["dtrain"]["seconds"] >= res["bound_s"] * 0.9  # the links really are limited
     assert _namespaces() == before  # every namespace we made is gone
@@ -50,16 +50,29 @@ def test_rate_limited_round_is_exact_and_cleans_up():
 
 def test_throttled_straggler_is_banned_others_complete():
     mod = _lab_module()
-    raw: list = []
-    # peer 2 gets a 0.2 Mbit/s link: a 128 KiB part takes ~5 s, longer than the 2 s sender timeout
-    res = mod.run_group(
-        3, 1.0, 200.0, 1, "dtrain", 2**17, matchmaking_s=2.0, timeout_s=180,
-        peer_rates_mbit={2: 0.2}, sender_timeout_s=2.0, raw=raw,
-    )
-    rows = {row["peer_id"]: row for rows in raw for row in rows}
-    slow_id = raw[2][0]["peer_id"]
-    fast = [row for pid, row in rows.items() if pid != slow_id]
-    assert len(fast) == 2
+    # Peer 2 gets a 0.2 Mbit/s link: a 128 KiB part takes ~5 s, longer than the 2 s sender
+    # timeout. Matchmaking messages cross that link too, and a packet lost there costs a TCP
+    # retransmission timeout; 5 s matchmaking (2.5 s request timeout) keeps a follower from
+    # giving up on a leader that is merely slow. Should hivemind's matchmaking still split the
+    # group (a fast peer's round then fails with "could not find a group"), the lab is run
+    # once more: matchmaking over a throttled link is not what this test checks, banning is.
+    failures = []
+    for _attempt in range(2):
+        raw: list = []
+        res = mod.run_group(
+            3, 1.0, 200.0, 1, "dtrain", 2**17, matchmaking_s=5.0, timeout_s=180,
+            peer_rates_mbit={2: 0.2}, sender_timeout_s=2.0, raw=raw,
+        )
+        rows = {row["peer_id"]: row for rows in raw for row in rows}
+        slow_id = raw[2][0]["peer_id"]
+        fast = [row for pid, row in rows.items() if pid != slow_id]
+        assert len(fast) == 2
+        errors = [row["error"] for row in fast if row["error"]]
+        if not errors:
+            break
+        failures.append(errors)
+    else:
+        pytest.fail(f"the fast peers never formed a group: {failures}")
     for row in fast:
         assert row["outcomes"][slow_id] == "FAIL"
         assert row["max_abs_error"] < 10  # finite; the straggler's share stays local
