@@ -110,7 +110,7 @@ class _PeerWithState:
     def __init__(self, meta, tensors):
         self.loaded = (meta, tensors)
 
-    def load_state_from_peers(self, timeout_s=None):
+    def load_state_from_peers(self, timeout_s=None, stop=None):
         return self.loaded
 
     def set_state_priority(self, priority):
