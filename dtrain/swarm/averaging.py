@@ -82,6 +82,13 @@ class AveragingConfig:
     # A contribution whose announced L2 norm exceeds this many times the median norm of the
     # weighted peers is refused (a scaled/noisy "poisoned" gradient); 0 disables the check.
     max_norm_ratio: float = 10.0
+    # Work commitments (dtrain.swarm.contribution): with True, a peer that brings weight
+    # without a commitment binding its contribution to its work report is excluded. The
+    # neurons require them; the library default keeps bare averaging possible.
+    require_commitments: bool = False
+    # How a reducer combines the senders' parts: "mean" (hivemind's weighted mean) or
+    # "centered_clip" (dtrain.swarm.robust: bounds what one undetected bad sender can do).
+    aggregation: str = "mean"
 
 
 class Interrupted(Exception):
@@ -177,11 +184,13 @@ class _CappedFiniteReducer(TensorPartReducer):
     """
 
     def __init__(self, part_shapes, num_senders: int, sender_weights: Sequence[float],
-                 sender_norms: Optional[Sequence[float]] = None):
+                 sender_norms: Optional[Sequence[float]] = None, robust: bool = False):
         self.sender_weights = [float(w) for w in sender_weights]
         self.sender_norms = [float(n) for n in sender_norms] if sender_norms is not None else None
+        self.robust = robust
         self.rejected: set[int] = set()
         self.too_large: set[int] = set()
+        self.contradicted: set[int] = set()
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -190,6 +199,15 @@ class _CappedFiniteReducer(TensorPartReducer):
         # (e.g. only validators left), where the weighted mean would be 0/0
         if not self.finished.is_set():
             self.plain_sum = torch.zeros(self.part_shapes[self.current_part_index])
+        # with robust aggregation the senders' parts are kept until the last one arrives
+        self.received_parts: list[tuple[torch.Tensor, float]] = []
+
+    def reject(self, sender_index: int, reason_set: set, message: str):
+        """Ban a sender whose part failed a check; its values are never added."""
+        self.rejected.add(sender_index)
+        reason_set.add(sender_index)
+        self.on_sender_failed(sender_index)
+        raise BannedException(f"sender {sender_index} {message}")
 
     async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
         """Same contract as hivemind's: add a part, wait for the others, return the average part.
@@ -224,7 +242,10 @@ class _CappedFiniteReducer(TensorPartReducer):
         self.num_parts_received[sender_index] += 1
         current_part_future = self.current_part_future
         w = self.sender_weights[sender_index]
-        self.accumulator.add_(tensor_part, alpha=w)
+        if self.robust:
+            self.received_parts.append((tensor_part, w))
+        else:
+            self.accumulator.add_(tensor_part, alpha=w)
         self.plain_sum.add_(tensor_part)
         self.current_part_accumulated_from += 1
         self.denominator += w
@@ -241,7 +262,12 @@ class _CappedFiniteReducer(TensorPartReducer):
     def check_current_part_finished(self):
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
-            if self.denominator > 0:
+            if self.robust and self.denominator > 0:
+                from dtrain.swarm.robust import centered_clip
+
+                parts, weights = zip(*self.received_parts)
+                result = centered_clip(parts, weights)
+            elif self.denominator > 0:
                 result = self.accumulator.div_(self.denominator)
             elif self.current_part_accumulated_from > 0:
                 result = self.plain_sum.div_(self.current_part_accumulated_from)
@@ -257,8 +283,14 @@ class _DtrainRunner(AllReduceRunner):
     """AllReduceRunner that records per-peer outcomes and bytes, validates results, injects faults."""
 
     def __init__(self, *, sender_weights: Sequence[float], fault: Optional[FaultInjection],
-                 sender_norms: Optional[Sequence[float]] = None, max_norm: Optional[float] = None, **kwargs):
+                 sender_norms: Optional[Sequence[float]] = None, max_norm: Optional[float] = None,
+                 robust: bool = False, sender_claims: Optional[Sequence] = None, claims_nonce: str = "",
+                 layout=None, **kwargs):
         super().__init__(**kwargs)
+        # per sender (in sender order): its claims array [num_parts, k], or None (not checked)
+        self.sender_claims = list(sender_claims) if sender_claims is not None else None
+        self.claims_nonce = claims_nonce
+        self.layout = layout
         self.fault = fault or FaultInjection()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -269,8 +301,12 @@ class _DtrainRunner(AllReduceRunner):
         old.current_part_future.cancel()
         self.tensor_part_reducer = _CappedFiniteReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), sender_weights,
-            sender_norms,
+            sender_norms, robust=robust,
         )
+        container_ = self.tensor_part_container
+        me = self.ordered_peer_ids.index(self.peer_id)
+        # global index of the first part this peer reduces (parts go to reducers in order)
+        self.first_part = sum(container_.num_parts_by_peer[:me])
         container = self.tensor_part_container
         register = container.register_processed_part
 
@@ -347,6 +383,10 @@ class _DtrainRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
+                    if not await loop.run_in_executor(None, self._part_as_claimed, sender_index, part_index,
+                                                      tensor_part):
+                        reducer = self.tensor_part_reducer
+                        reducer.reject(sender_index, reducer.contradicted, "sent a part that contradicts its commitment")
                     averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
                     part_index += 1
                 except BannedException:
@@ -358,6 +398,21 @@ class _DtrainRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _part_as_claimed(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> bool:
+        """True unless the sender committed a claim for this part and the part contradicts it."""
+        if self.sender_claims is None or self.layout is None:
+            return True
+        claims = self.sender_claims[sender_index]
+        if claims is None:
+            return True
+        from dtrain.swarm.contribution import part_matches_claim
+
+        g = self.first_part + part_index
+        param_index, start, length = self.layout.parts[g]
+        if tensor_part.numel() != length:
+            return False
+        return part_matches_claim(tensor_part, claims[g], param_index, start, self.claims_nonce)
 
     async def rpc_aggregate_part(self, stream, context):
         async def counted():
@@ -388,6 +443,35 @@ class _CountingStub:
         return counted()
 
 
+class _WholeMessagePipe:
+    """The averager's command pipe, read one whole message at a time.
+
+    hivemind polls the pipe from its event loop, which makes the descriptor non-blocking, then
+    calls ``recv()`` as soon as *some* bytes are readable. A command larger than what one
+    write delivers at once (a step whose gather carries a work commitment: tens of KB) then
+    fails half-read with EAGAIN, the stream loses its framing, and the averager's loop dies on
+    the next message. Reading in blocking mode once data is there always gets the whole
+    message: the sender writes it in one go.
+    """
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def recv(self):
+        import os
+
+        fd = self._conn.fileno()
+        was_blocking = os.get_blocking(fd)
+        os.set_blocking(fd, True)
+        try:
+            return self._conn.recv()
+        finally:
+            os.set_blocking(fd, was_blocking)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
 class _DtrainAverager(DecentralizedAverager):
     """DecentralizedAverager whose group step applies dtrain's model check, cap and accounting."""
 
@@ -402,6 +486,11 @@ class _DtrainAverager(DecentralizedAverager):
         self.schema_hash = hashlib.sha256(f"dtrain-swarm:{self.prefix}".encode()).digest()
         if start:
             self.run_in_background(await_ready=True)
+
+    def run(self):
+        # In the averager's process: see _WholeMessagePipe.
+        self._inner_pipe = _WholeMessagePipe(self._inner_pipe)
+        super().run()
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         # hivemind sets SIGINT to SIG_IGN in the *calling* process so the forked child ignores
@@ -459,6 +548,10 @@ class _DtrainAverager(DecentralizedAverager):
                 # Like a wrong model, an out-of-scale peer owns no share and its values are never
                 # added: every peer derives the same verdict from the same gathered data.
                 used[i], modes[i] = 0.0, AveragingMode.AUX
+            commitments, unbound = await asyncio.get_event_loop().run_in_executor(
+                None, self._check_commitments, users, mine, compatible, claimed, kwargs)
+            for i in unbound:
+                used[i], modes[i] = 0.0, AveragingMode.AUX
             download_bandwidths = [
                 (bw if mode == AveragingMode.NODE else 0.0) for bw, mode in zip(bandwidths, modes)
             ]
@@ -470,6 +563,11 @@ class _DtrainAverager(DecentralizedAverager):
             # never larger than the largest contribution: both bound what a liar can inject.
             sender_norms = [n for n, mode in zip(norms, modes) if mode != AveragingMode.AUX]
             max_norm = max(sender_norms, default=0.0)
+            sender_claims = None
+            layout = self._layout(kwargs) if commitments is not None else None  # before the tensor lock
+            if commitments is not None:
+                sender_claims = [commitments[i][0].claims if commitments.get(i) else None
+                                 for i, mode in enumerate(modes) if mode != AveragingMode.AUX]
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 t_start = time.monotonic()
                 runner = _DtrainRunner(
@@ -486,6 +584,10 @@ class _DtrainAverager(DecentralizedAverager):
                     sender_norms=sender_norms,
                     max_norm=max_norm,
                     fault=self._fault,
+                    robust=mine.get("agg") == "centered_clip",
+                    sender_claims=sender_claims,
+                    claims_nonce=(mine.get("commit") or {}).get("nonce", "") if isinstance(mine.get("commit"), dict) else "",
+                    layout=layout,
                     **kwargs,
                 )
                 assert group_info.group_id in self._running_groups
@@ -499,19 +601,66 @@ class _DtrainAverager(DecentralizedAverager):
                     async for _ in runner:
                         raise ValueError("auxiliary peers should not receive averaged tensors")
                 allreduce_s = time.monotonic() - t_start
-            report = self._report(group_info, runner, modes, compatible, claimed, used, out_of_scale, norms)
+            report = self._report(group_info, runner, modes, compatible, claimed, used, out_of_scale, norms, unbound)
             report["allreduce_s"] = allreduce_s
+            report["work_reports"] = {str(group_info.peer_ids[i]): c[1] for i, c in (commitments or {}).items() if c}
             return dict(gathered=None, report=report)
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug("dtrain all-reduce failed: %r", e, exc_info=True)
             raise MatchmakingException(f"Unable to run All-Reduce: {e!r}")
 
+    def _layout(self, kwargs):
+        from dtrain.swarm.contribution import PartLayout
+
+        if getattr(self, "_layout_cache", None) is None:
+            with self.get_tensors() as tensors:
+                self._layout_cache = PartLayout.of(tensors, kwargs["compression"], kwargs["part_size_bytes"])
+        return self._layout_cache
+
+    def _check_commitments(self, users, mine, compatible, claimed, kwargs):
+        """Parse every peer's work commitment and decide which weighted peers are not bound by one.
+
+        Returns ``(commitments, unbound)``: ``commitments`` maps peer index to (Commitment, work
+        wire) or None (None overall when this peer runs without commitments), ``unbound`` maps
+        peer index to the reason its contribution is refused. A pure function of the gathered
+        data, so every honest peer reaches the same verdicts.
+        """
+        from dtrain.swarm.contribution import Commitment, binding_verdict
+        from dtrain.training.work import WorkReportError
+
+        own = mine.get("commit")
+        if not isinstance(own, dict):
+            return None, {}
+        required = bool(mine.get("req"))
+        layout = self._layout(kwargs)
+        commitments, unbound = {}, {}
+        for i, user in enumerate(users):
+            if not compatible[i]:
+                continue
+            data = user.get("commit") if isinstance(user, dict) else None
+            parsed = None
+            reason = ""
+            if data is not None:
+                try:
+                    parsed = Commitment.parse(data, len(layout))
+                    commitments[i] = (parsed, data.get("work"))
+                except WorkReportError as exc:
+                    reason = f"malformed work commitment: {exc}"
+            if claimed[i] > 0 and (required or data is not None):
+                reason = reason or binding_verdict(parsed, weight=claimed[i], nonce=own.get("nonce"),
+                                                   compression=str(mine.get("comp", "none")))
+                if reason:
+                    unbound[i] = reason
+        return commitments, unbound
+
     def _report(self, group_info, runner: _DtrainRunner, modes, compatible, claimed, used, out_of_scale=(),
-                norms=()) -> dict:
+                norms=(), unbound=None) -> dict:
+        unbound = unbound or {}
         reducer = runner.tensor_part_reducer
         rejected = {runner.sender_peer_ids[i] for i in reducer.rejected}
         too_large = {runner.sender_peer_ids[i] for i in reducer.too_large}
+        contradicted = {runner.sender_peer_ids[i] for i in reducer.contradicted}
         peers = []
         for i, peer in enumerate(group_info.peer_ids):
             reason = ""
@@ -520,8 +669,12 @@ class _DtrainAverager(DecentralizedAverager):
                 reason = "model fingerprint or tensor schema differs"
             elif i in out_of_scale:
                 outcome, reason = Outcome.FAIL, f"out-of-scale contribution (norm {norms[i]:.3g})"
+            elif i in unbound:
+                outcome, reason = Outcome.FAIL, unbound[i]
             elif peer == self.peer_id:
                 outcome = Outcome.SUCCESS
+            elif peer in contradicted:
+                outcome, reason = Outcome.FAIL, "sent a part that contradicts its commitment"
             elif peer in too_large:
                 outcome, reason = Outcome.FAIL, "sent a part larger than its announced norm"
             elif peer in rejected:
@@ -589,6 +742,9 @@ class GradientSwarm:
         self._log = RoundLog(self.config.log_path) if self.config.log_path else None
         self.records: list[RoundRecord] = []
         self._step = None
+        self._layout = None
+        if self.config.aggregation not in ("mean", "centered_clip"):
+            raise ValueError(f"aggregation must be 'mean' or 'centered_clip', got {self.config.aggregation!r}")
         cfg = self.config
         self._averager = _DtrainAverager(
             self._buffers,
@@ -634,6 +790,8 @@ class GradientSwarm:
         timeout_s: Optional[float] = None,
         peer_caps: Optional[dict[str, float]] = None,
         stop: Optional[threading.Event] = None,
+        work=None,
+        work_nonce: Optional[str] = None,
     ) -> RoundRecord:
         """Average ``tensors`` in place with whoever matchmakes; return this peer's RoundRecord.
 
@@ -644,6 +802,10 @@ class GradientSwarm:
         ``expected_peers`` (peer ids) that did not join are reported NON_PARTICIPATING or
         NOT_ALIVE. Setting ``stop`` (a neuron shutting down) abandons the round at once: the
         tensors keep their local values and the record's error says it was interrupted.
+
+        ``work`` (a WorkReport) and ``work_nonce`` commit this contribution to the pages it came
+        from (dtrain.swarm.contribution); a peer without weight (a validator) passes an empty
+        report. The record's ``work_reports`` then holds every committed report of the group.
         """
         if len(tensors) != len(self._buffers):
             raise ValueError(f"expected {len(self._buffers)} tensors, got {len(tensors)}")
@@ -663,7 +825,10 @@ class GradientSwarm:
         gather = dict(v=GATHER_VERSION, fp=self.fingerprint, schema=self._schema, w=float(weight), cap=float(cap),
                       norm=norm, ratio=float(cfg.max_norm_ratio),
                       caps={str(k): float(v) for k, v in (peer_caps or {}).items()
-                            if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0})
+                            if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0},
+                      agg=cfg.aggregation, comp=cfg.compression, req=bool(cfg.require_commitments))
+        if work_nonce is not None:
+            gather["commit"] = self._commitment(tensors, work, work_nonce)
         started = time.time()
         t0 = time.monotonic()
         result, error = None, ""
@@ -707,6 +872,7 @@ class GradientSwarm:
             record.fraction_averaged = rep["fraction_averaged"]
             record.total_weight = rep["total_weight"]
             record.allreduce_s = rep["allreduce_s"]
+            record.work_reports = dict(rep.get("work_reports") or {})
             with self._averager.get_tensors() as bufs:
                 for b, t in zip(bufs, tensors):
                     t.copy_(b.to(device=t.device, dtype=t.dtype))
@@ -720,6 +886,22 @@ class GradientSwarm:
         if self._log is not None:
             self._log.append(record)
         return record
+
+    def _commitment(self, tensors, work, nonce: str) -> dict:
+        from dtrain.swarm.contribution import Commitment, PartLayout, compute_claims
+        from dtrain.training.work import WorkReport
+
+        compression = compat.make_compression(self.config.compression)
+        if self._layout is None:
+            self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
+        import numpy as np
+
+        from dtrain.training.work import WORK_SKETCH_K
+
+        claims = np.frombuffer(compute_claims([t.detach().float().cpu() for t in tensors], self._layout, nonce,
+                                              compression), dtype="<f4").reshape(len(self._layout), WORK_SKETCH_K)
+        report = work if work is not None else WorkReport(epoch=0)
+        return Commitment(nonce=nonce, report=report, claims=claims).to_gather()
 
     def _reachable(self, peer_ids: Sequence[str], timeout_s: float = 3.0) -> dict[str, bool]:
         import functools

@@ -80,6 +80,9 @@ class RoundRecord:
     mode: str = "gradient"  # "gradient" (per-step) or "diloco" (pseudo-gradient)
     tokens: int = 0  # tokens this peer trained on for this round (for bytes/token); 0 if unknown
     error: str = ""  # non-empty when the round did not run (e.g. no group found)
+    # peer id -> the work report (wire form) it committed in the gather; for validators'
+    # audits, kept out of logs and to_dict (it is large and other peers' data)
+    work_reports: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -94,6 +97,7 @@ class RoundRecord:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("work_reports", None)
         d["peers"] = [p.to_dict() for p in self.peers]
         return d
 

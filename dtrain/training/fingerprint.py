@@ -84,18 +84,43 @@ def gradient_sketch(
         if g is None:
             continue
         flat = g.detach().reshape(-1)
-        dev = flat.device
         if out is None:
-            out = torch.zeros(k, dtype=torch.float64, device=dev)
+            out = torch.zeros(k, dtype=torch.float64, device=flat.device)
         seed = _param_seed(nonce, i)
         for start in range(0, flat.numel(), chunk):
-            part = flat[start : start + chunk].double()
-            h = _mix64(torch.arange(start, start + part.numel(), device=dev, dtype=torch.int64) + seed)
-            bucket = _lshr(h, 32) % k
-            signed = torch.where((h & 1).bool(), part, -part)
-            out.index_add_(0, bucket, signed)
+            _add_range(out, flat[start : start + chunk], seed, start)
     if out is None:
         return torch.zeros(k, dtype=torch.float64)
+    return out.cpu()
+
+
+def _add_range(out: torch.Tensor, values: torch.Tensor, seed: int, start: int) -> None:
+    dev = values.device
+    part = values.double()
+    h = _mix64(torch.arange(start, start + part.numel(), device=dev, dtype=torch.int64) + seed)
+    bucket = _lshr(h, 32) % out.numel()
+    out.index_add_(0, bucket, torch.where((h & 1).bool(), part, -part))
+
+
+def range_sketch(
+    values: torch.Tensor,
+    param_index: int,
+    start: int,
+    nonce: str | bytes | int,
+    k: int = DEFAULT_K,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """The sketch (float64, CPU) of elements ``start .. start + len(values)`` of parameter
+    ``param_index``'s flattened tensor, all other elements taken as zero.
+
+    The sketch is linear, so the range sketches of the pieces of a gradient add up to
+    ``gradient_sketch`` of the whole: a reducer can check the one piece it received.
+    """
+    flat = values.detach().reshape(-1)
+    out = torch.zeros(k, dtype=torch.float64, device=flat.device)
+    seed = _param_seed(nonce, param_index)
+    for offset in range(0, flat.numel(), chunk):
+        _add_range(out, flat[offset : offset + chunk], seed, start + offset)
     return out.cpu()
 
 

@@ -46,6 +46,9 @@ class TrainerConfig:
     grad_clip: float | None = 1.0  # max global L2 norm; None disables clipping
     precision: str = "auto"  # auto: bf16 autocast on CUDA when supported, else fp32
     device: str = "cpu"
+    # None: torch's fused AdamW on CUDA, the plain one elsewhere. Replicas that differ here
+    # drift apart by rounding only; docs/scoring.md gives the measured drift and tolerance.
+    fused: bool | None = None
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -144,7 +147,8 @@ def build_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
     ]
     if cfg.optimizer == "adamw":
         kw = {}
-        if torch.device(cfg.device).type == "cuda":
+        fused = torch.device(cfg.device).type == "cuda" if cfg.fused is None else cfg.fused
+        if fused:
             kw["fused"] = True
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kw)
     from dtrain.training.lamb import Lamb
@@ -364,6 +368,37 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.counters = Counters(**state["counters"])
         self.zero_grad()
+
+
+def recompute_page_work(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    nonce: str,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    k: int = DEFAULT_K,
+) -> Fingerprint:
+    """The validator's audit of one committed page: (loss, work sketch, samples) of its
+    sample-summed gradient, split into micro-batches as the miner's trainer splits it.
+
+    Never changes the model's parameters or ``.grad``.
+    """
+    dev = next(model.parameters()).device
+    params = trainable_parameters(model)
+    total: list[torch.Tensor | None] = [None] * len(params)
+    loss_sum, samples = 0.0, 0
+    x_all = input_ids.to(dev)
+    for start in range(0, x_all.shape[0], micro_batch_size):
+        x = x_all[start : start + micro_batch_size]
+        loss, grads = microbatch_gradients(model, params, x, precision)
+        for i, g in enumerate(grads):
+            if g is not None:
+                total[i] = g if total[i] is None else total[i].add_(g)
+        loss_sum += float(loss) * x.shape[0]
+        samples += x.shape[0]
+    sketch = gradient_sketch(total, nonce, k=k)
+    return Fingerprint(loss=loss_sum / max(samples, 1), sketch=tuple(sketch.tolist()), samples=samples)
 
 
 def recompute_fingerprints(

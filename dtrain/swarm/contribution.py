@@ -1,0 +1,147 @@
+"""Contribution commitments: binding what a peer sends into a round to its work report.
+
+hivemind splits every averaged tensor into fixed *parts* (``part_size_bytes`` after
+compression), independent of the group, and hands consecutive parts to consecutive
+reducers. A peer that brings weight puts in its gather:
+
+* ``work``: its work report (``dtrain.training.work``): per page, the sketch of that page's
+  gradient under the epoch's public work nonce;
+* ``claims``: for every part, the range sketch of that part *as it goes on the wire*
+  (after the lossy compression round trip), float32, parts in order.
+
+Every peer checks, from the gather alone, that the claims add up to the report's mean
+sketch (``binding_error`` within ``BINDING_RTOL`` for the wire compression) and that the
+weight claimed is at most the report's samples; a peer failing either is excluded from the
+round like a wrong model. Each reducer then checks every part it receives against the
+sender's claim for that part (``PART_RTOL``) and bans a sender whose part contradicts it.
+So a negated, zeroed, rescaled, noisy or replayed contribution is caught either in the
+gather (claims that are honest about what is sent) or by the reducer (claims that lie).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from dtrain.training.fingerprint import range_sketch
+from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError
+
+# How far the sum of the claims may be from the report's mean sketch, relative to its norm.
+# The claims are of the compressed parts, the pages' sketches of the exact gradient, so the
+# bound is the compression's relative error (measured in tests/test_swarm_commitments.py)
+# with headroom; without compression only float32 rounding separates them.
+BINDING_RTOL = {"none": 1e-4, "fp16": 5e-3, "8bit": 0.1, "8bit-quantile": 0.1}
+# A received part against its claim: both are sketches of the very same float32 values.
+PART_RTOL = 1e-4
+ABS_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """Where each of hivemind's parts lies: (tensor index, first element, length), in order."""
+
+    parts: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], compression, part_size_bytes: int, tensor_infos=None) -> "PartLayout":
+        # The same arithmetic as hivemind's TensorPartContainer (tests compare the two).
+        from hivemind.compression import CompressionInfo
+
+        if tensor_infos is None:
+            tensor_infos = tuple(CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors))
+        parts = []
+        for i, (t, info) in enumerate(zip(tensors, tensor_infos)):
+            per_value = t.element_size() * compression.estimate_compression_ratio(info)
+            size = int(part_size_bytes / per_value)
+            n = t.numel()
+            for start in range(0, n, size):
+                parts.append((i, start, min(size, n - start)))
+        return cls(tuple(parts))
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+
+def wire_values(part: torch.Tensor, compression, info) -> torch.Tensor:
+    """What a receiver decodes from ``part`` sent with ``compression``."""
+    from hivemind.compression import deserialize_torch_tensor
+
+    if type(compression).__name__ == "NoCompression":
+        return part
+    return deserialize_torch_tensor(compression.compress(part, info))
+
+
+def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,
+                   k: int = WORK_SKETCH_K) -> bytes:
+    """Per-part range sketches of ``tensors`` as they will arrive (float32 bytes, parts in order)."""
+    from hivemind.compression import CompressionInfo
+
+    out = np.zeros((len(layout), k), dtype="<f4")
+    for g, (i, start, length) in enumerate(layout.parts):
+        piece = tensors[i].detach().reshape(-1)[start:start + length]
+        info = CompressionInfo.from_tensor(piece, key=i)
+        out[g] = range_sketch(wire_values(piece, compression, info), i, start, nonce, k=k).numpy()
+    return out.tobytes()
+
+
+@dataclass
+class Commitment:
+    """A peer's parsed gather commitment."""
+
+    nonce: str
+    report: WorkReport
+    claims: np.ndarray  # [num_parts, k] float32
+
+    @classmethod
+    def parse(cls, data: object, num_parts: int, k: int = WORK_SKETCH_K) -> "Commitment":
+        if not isinstance(data, dict):
+            raise WorkReportError("commitment must be a map")
+        nonce, claims = data.get("nonce"), data.get("claims")
+        if not isinstance(nonce, str):
+            raise WorkReportError("commitment nonce must be a string")
+        if not isinstance(claims, bytes) or len(claims) != num_parts * k * 4:
+            raise WorkReportError(f"claims must be {num_parts} x {k} float32 values")
+        arr = np.frombuffer(claims, dtype="<f4").reshape(num_parts, k)
+        if not np.isfinite(arr).all():
+            raise WorkReportError("claims hold non-finite values")
+        return cls(nonce=nonce, report=WorkReport.from_wire(data.get("work"), k=k), claims=arr)
+
+    def to_gather(self) -> dict:
+        return {"nonce": self.nonce, "work": self.report.to_wire(), "claims": self.claims.astype("<f4").tobytes()}
+
+
+def binding_error(commitment: Commitment) -> float:
+    """||sum of claims - report mean sketch|| / ||report mean sketch|| (inf if undefined)."""
+    folded = commitment.claims.astype(np.float64).sum(axis=0)
+    expected = np.asarray(commitment.report.mean_sketch(k=commitment.claims.shape[1]), dtype=np.float64)
+    num = float(np.linalg.norm(folded - expected))
+    den = float(np.linalg.norm(expected))
+    if den <= ABS_FLOOR:
+        return 0.0 if num <= ABS_FLOOR else math.inf
+    return num / den
+
+
+def binding_verdict(commitment: Optional[Commitment], *, weight: float, nonce: str, compression: str) -> str:
+    """"" when a weighted peer's commitment binds its contribution, else the reason it does not."""
+    if commitment is None:
+        return "no work commitment"
+    if commitment.nonce != nonce:
+        return "work committed under another epoch's nonce"
+    if weight > commitment.report.samples:
+        return f"claims weight {weight:g} but committed {commitment.report.samples} samples"
+    err = binding_error(commitment)
+    if not err <= BINDING_RTOL.get(compression, BINDING_RTOL["8bit"]):
+        return f"contribution does not match its committed pages (sketch error {err:.2g})"
+    return ""
+
+
+def part_matches_claim(part: torch.Tensor, claim: np.ndarray, param_index: int, start: int, nonce: str) -> bool:
+    """Whether a received (decoded) part has the sketch its sender claimed for it."""
+    got = range_sketch(part, param_index, start, nonce, k=claim.shape[0]).numpy()
+    want = claim.astype(np.float64)
+    scale = max(float(np.linalg.norm(want)), float(np.linalg.norm(got)))
+    return float(np.linalg.norm(got - want)) <= PART_RTOL * scale + ABS_FLOOR

@@ -1,0 +1,189 @@
+"""Work reports, range sketches, part layouts, contribution binding, CenteredClip and replica distances."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dtrain.swarm.contribution import (
+    BINDING_RTOL, Commitment, PartLayout, binding_error, binding_verdict, compute_claims, part_matches_claim,
+)
+from dtrain.swarm.robust import centered_clip, weighted_mean
+from dtrain.training.fingerprint import gradient_sketch, range_sketch
+from dtrain.training.replica import (
+    REPLICA_RTOL, params_distance, params_rms, params_sketch, sketch_distance, slice_distance, within_tolerance,
+)
+from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkLog, WorkReport, WorkReportError, work_nonce
+
+NONCE = work_nonce("unit", 7)
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1000, generator=g), torch.randn(7, 13, generator=g), torch.randn(5, generator=g)]
+
+
+def test_range_sketches_of_the_pieces_add_up_to_the_whole():
+    ts = _tensors()
+    whole = gradient_sketch(ts, NONCE, k=WORK_SKETCH_K)
+    total = torch.zeros(WORK_SKETCH_K, dtype=torch.float64)
+    for i, t in enumerate(ts):
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), 97):
+            total += range_sketch(flat[start:start + 97], i, start, NONCE, k=WORK_SKETCH_K)
+    torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "8bit"])
+def test_part_layout_is_hiveminds(compression):
+    """The parts dtrain claims about are exactly the ones hivemind's container sends."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from dtrain.swarm import compat
+
+    ts = _tensors() + [torch.randn(3000)]
+    comp = compat.make_compression(compression)
+    layout = PartLayout.of(ts, comp, part_size_bytes=1024)
+    container = TensorPartContainer(ts, peer_fractions=(0.5, 0.3, 0.2), compression=comp, part_size_bytes=1024)
+    theirs = [part for peer in range(3) for part in container.get_raw_input_parts(peer)]
+    assert len(theirs) == len(layout)
+    for (i, start, length), part in zip(layout.parts, theirs):
+        assert torch.equal(ts[i].reshape(-1)[start:start + length], part)
+
+
+def _report_for(tensors, samples=8, epoch=7):
+    sketch = gradient_sketch([t * samples for t in tensors], NONCE, k=WORK_SKETCH_K).tolist()
+    return WorkReport(epoch=epoch, pages=(PageWork(page=3, counter=0, samples=samples, loss=4.0, sketch=tuple(sketch)),))
+
+
+def _commitment(sent, report, compression="none"):
+    from dtrain.swarm import compat
+
+    comp = compat.make_compression(compression)
+    layout = PartLayout.of(sent, comp, 512)
+    claims = np.frombuffer(compute_claims(sent, layout, NONCE, comp), dtype="<f4").reshape(len(layout), -1)
+    return Commitment.parse(Commitment(NONCE, report, claims).to_gather(), len(layout)), layout
+
+
+def test_binding_accepts_the_mean_of_the_pages_and_rejects_everything_else():
+    ts = _tensors(1)
+    report = _report_for(ts)
+    good, _ = _commitment(ts, report)
+    assert binding_error(good) < 1e-6 and binding_verdict(good, weight=8, nonce=NONCE, compression="none") == ""
+    noise = [0.05 * t.norm() / math.sqrt(t.numel()) * torch.randn_like(t) for t in ts]
+    for name, sent in {"negated": [-t for t in ts], "zero": [t * 0 for t in ts], "rescaled": [1.5 * t for t in ts],
+                       "noisy": [t + n for t, n in zip(ts, noise)], "replayed": _tensors(2)}.items():
+        bad, _ = _commitment(sent, report)
+        assert "does not match its committed pages" in binding_verdict(bad, weight=8, nonce=NONCE,
+                                                                       compression="none"), name
+    assert "committed 8 samples" in binding_verdict(good, weight=9, nonce=NONCE, compression="none")
+    assert "another epoch" in binding_verdict(good, weight=8, nonce=work_nonce("unit", 6), compression="none")
+    assert binding_verdict(None, weight=8, nonce=NONCE, compression="none") == "no work commitment"
+
+
+@pytest.mark.parametrize("compression", ["fp16", "8bit"])
+def test_binding_tolerates_wire_compression(compression):
+    ts = [t * 1e-3 for t in _tensors(3)]  # gradient-sized values
+    report = _report_for(ts)
+    sent, _ = _commitment(ts, report, compression)
+    assert binding_error(sent) <= BINDING_RTOL[compression] / 3
+    flipped, _ = _commitment([-t for t in ts], report, compression)
+    assert binding_error(flipped) > 1.0
+
+
+def test_a_part_must_match_its_claim():
+    ts = _tensors(4)
+    c, layout = _commitment(ts, _report_for(ts))
+    for g, (i, start, length) in enumerate(layout.parts):
+        piece = ts[i].reshape(-1)[start:start + length]
+        assert part_matches_claim(piece, c.claims[g], i, start, NONCE)
+        assert not part_matches_claim(-piece, c.claims[g], i, start, NONCE)
+        assert not part_matches_claim(piece * 1.01, c.claims[g], i, start, NONCE)
+
+
+def test_malformed_commitments_name_the_problem():
+    ts = _tensors()
+    good, layout = _commitment(ts, _report_for(ts))
+    wire = good.to_gather()
+    with pytest.raises(WorkReportError, match="claims must be"):
+        Commitment.parse({**wire, "claims": b"\0" * 12}, len(layout))
+    with pytest.raises(WorkReportError, match="non-finite"):
+        Commitment.parse({**wire, "claims": np.full(len(layout) * WORK_SKETCH_K, np.nan, "<f4").tobytes()}, len(layout))
+    work = wire["work"]
+    for broken, match in [({"e": 1}, "page list"), ({"e": 1, "p": [[1, 0, 0, 1.0, b""]]}, "samples >= 1"),
+                          ({"e": 1, "p": [[1, 0, 1, float("nan"), b""]]}, "finite"),
+                          ({"e": 1, "p": [[1, 0, 1, 1.0, b"x"]]}, "bytes"),
+                          ({"e": 1, "p": [work["p"][0], work["p"][0]]}, "strictly increasing")]:
+        with pytest.raises(WorkReportError, match=match):
+            WorkReport.from_wire(broken)
+
+
+def test_work_report_round_trips_and_digest_changes_with_any_field():
+    ts = _tensors()
+    report = _report_for(ts)
+    again = WorkReport.from_wire(report.to_wire())
+    assert again == report and again.digest() == report.digest()
+    other = WorkReport(epoch=report.epoch, pages=(PageWork(3, 0, 8, 4.0001, report.pages[0].sketch),))
+    assert other.digest() != report.digest()
+
+
+def test_work_log_page_sketches_sum_to_the_accumulated_gradient():
+    from dtrain.training.models import create_model
+    from dtrain.training.trainer import Trainer, TrainerConfig, recompute_page_work
+
+    model = create_model("tiny", vocab_size=300, n_positions=16, seed=0)
+    trainer = Trainer(model, TrainerConfig(micro_batch_size=2, local_batch_size=8))
+    log = WorkLog("unit")
+    log.reset(7)
+    gen = torch.Generator().manual_seed(0)
+    pages = [torch.randint(0, 300, (4, 16), generator=gen) for _ in range(3)]
+    for i, tokens in enumerate(pages):
+        results = trainer.accumulate(tokens)
+        log.record(page=100 + i, counter=i, samples=4, loss=results[0].loss, gradients=trainer.gradients())
+    report = log.report()
+    assert report.samples == 12 and [p.counter for p in report.pages] == [0, 1, 2]
+    mean = [g / 12 for g in trainer.gradients()]
+    got, want = torch.tensor(report.mean_sketch(), dtype=torch.float64), gradient_sketch(mean, NONCE, k=WORK_SKETCH_K)
+    assert float((got - want).norm() / want.norm()) < 1e-5  # float32 rounding of the division, far inside 1e-4
+    # the validator's recomputation of page 1 alone gives the sketch the log kept for it
+    ref = recompute_page_work(trainer.model, pages[1], nonce=NONCE, micro_batch_size=2, k=WORK_SKETCH_K)
+    a, b = torch.tensor(ref.sketch), torch.tensor(report.pages[1].sketch)
+    assert float(a @ b / (a.norm() * b.norm())) > 0.9999 and abs(float(a.norm() / b.norm()) - 1) < 1e-4
+
+
+def test_centered_clip():
+    torch.manual_seed(0)
+    g = torch.randn(500)
+    honest = [g + 0.2 * torch.randn(500) for _ in range(3)]
+    mean = weighted_mean(honest, [1, 1, 1])
+    # identical contributions come back unchanged; honest ones stay close to their mean
+    torch.testing.assert_close(centered_clip([g, g, g], [1, 2, 3]), g)
+    assert float((centered_clip(honest, [1, 1, 1]) - mean).norm()) < 0.1 * float(mean.norm())
+    for scale in (1, 3, 10, 1000):
+        attacked = centered_clip(honest + [-scale * g], [1, 1, 1, 1])
+        assert float(attacked @ mean) / float(mean.norm() ** 2) > 0.6, scale
+        assert float((attacked - mean).norm()) < 0.5 * float(mean.norm()), scale
+    # two senders: no majority to clip against, the weighted mean
+    torch.testing.assert_close(centered_clip(honest[:2], [1, 3]), weighted_mean(honest[:2], [1, 3]))
+    # zero weights (only validators): plain mean; a zero-weight sender never counts otherwise
+    torch.testing.assert_close(centered_clip([g, 3 * g], [0, 0]), 2 * g)
+    torch.testing.assert_close(centered_clip(honest + [1e6 * g], [1, 1, 1, 0]), centered_clip(honest, [1, 1, 1]))
+
+
+def test_replica_distances():
+    ts = _tensors()
+    drifted = [t * (1 + 1e-8) for t in ts]
+    moved = [t + 1e-3 * t.norm() / math.sqrt(t.numel()) * torch.randn_like(t) for t in ts]
+    assert params_distance(drifted, ts) < REPLICA_RTOL < params_distance(moved, ts)
+    assert within_tolerance(sketch_distance(params_sketch(drifted), params_sketch(ts)))
+    assert not within_tolerance(sketch_distance(params_sketch(moved), params_sketch(ts)))
+    assert sketch_distance((1.0,), (1.0, 2.0)) == math.inf
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    a = flat[:200].numpy().astype("<f4").tobytes()
+    b = (flat[:200] * (1 + 1e-7)).numpy().astype("<f4").tobytes()
+    assert within_tolerance(slice_distance(b, a, params_rms(ts)))
+    assert not within_tolerance(slice_distance(a[:-4] + b"\0\0\0\0", a, params_rms(ts)) * 0 + math.inf)
+    assert slice_distance(a, a[:-4], 1.0) == math.inf
