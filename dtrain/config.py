@@ -130,6 +130,8 @@ class MinerConfig:
 class ValidatorConfig:
     miners_per_round: int = _f(8, "Miners queried per validation round.", min=1, max=4096)
     pages_per_query: int = _f(2, "Data pages a Train query asks a miner to train on.", min=1, max=1024)
+    audit_pages: int = _f(1, "Committed pages of each miner's round contribution the validator recomputes "
+                          "(chosen after the miner committed; docs/scoring.md).", min=0, max=1024)
     recompute_fraction: float = _f(0.5, "Fraction of reported micro-batches the validator recomputes.", min=0.0, max=1.0)
     round_interval_s: float = _f(60.0, "Seconds between validation rounds.", min=0.0)
     ema_alpha: float = _f(0.1, "Weight of the newest score in the moving average (0 < alpha <= 1).",
@@ -154,6 +156,9 @@ class AllReduceConfig:
     request_timeout: float = _f(5.0, "Seconds to wait for a matchmaking reply.", min=0.1)
     allreduce_timeout: float = _f(120.0, "Seconds before a slow peer is banned from the round.", min=0.1)
     compression: str = _f("none", "Wire compression.", choices=("none", "fp16", "8bit"))
+    aggregation: str = _f("centered_clip", "How a reducer combines the senders' parts: centered_clip (bounds an "
+                          "undetected bad contribution; docs/swarm.md) or mean.",
+                          choices=("centered_clip", "mean"), swarm=True)
     initial_peers: list = _f(list, "Extra hivemind multiaddrs to bootstrap from (chain commitments are used too).", factory=True)
     host_maddrs: list = _f(lambda: ["/ip4/0.0.0.0/tcp/0"], "Multiaddrs hivemind listens on.", factory=True)
     announce_maddrs: list = _f(list, "Multiaddrs announced to peers (set your public IP here).", factory=True)

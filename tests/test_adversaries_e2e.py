@@ -44,7 +44,10 @@ def test_each_adversary_is_caught_for_its_own_reason(run):
     seen = {m["kind"]: m for m in run["miners"]}
     assert "verification_failed" in seen["lazy"]["gated"]
     assert "verification_failed" in seen["copycat"]["gated"]
-    assert "inflated_claim" in seen["inflated-weight"]["gated"]
+    # The inflated claim is refused in the gather by every peer (weight above its committed
+    # samples); in later rounds the miner, which took no step, is also out of sync.
+    inflated = [r["notes"].get(str(seen["inflated-weight"]["uid"]), "") for r in run["rounds"]]
+    assert "inflated_claim" in seen["inflated-weight"]["gated"] or any("claims weight" in n for n in inflated), inflated
     assert set(_outcomes(run, seen["freeloader"])) == {"NON_PARTICIPATING"}
     # Whether a miner joins a given round's 5 s matchmaking window is up to the scheduler of
     # a loaded machine, so the all-reduce cheats are judged over every round: caught in each

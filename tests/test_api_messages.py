@@ -124,7 +124,8 @@ def test_openapi_components_are_the_message_types():
     refs = set(re.findall(r'"#/components/schemas/(\w+)"', json.dumps(doc)))
     assert refs == {m.__name__ for m in MESSAGES}  # every type is used, and nothing else is referred to
     train = doc["components"]["schemas"]["TrainRequest"]
-    assert set(train["properties"]) == {"nonce", "epoch", "pages", "micro_batch_size", "params_digest"}
+    assert set(train["properties"]) == {"nonce", "epoch", "pages", "micro_batch_size", "params_digest",
+                                           "params_sketch"}
     assert set(doc["components"]["schemas"]["MicroBatchReport"]["properties"]) == {
         "page", "loss", "sketch", "samples", "nonce"}
     assert "weight_caps" in doc["components"]["schemas"]["AllReduceRequest"]["properties"]

@@ -78,6 +78,13 @@ def test_completion_offers_subcommands_and_values():
     assert _complete("dtrain mine --network san", 3) == ["sandbox"]
 
 
+def test_sandbox_offers_every_adversary_kind():
+    from dtrain.cli.sandbox import ADVERSARIES
+    from dtrain.neurons.adversary import KINDS
+
+    assert ADVERSARIES == KINDS
+
+
 def test_completion_scripts_are_current():
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_completions.py"), "--check"],
                             capture_output=True, text=True, timeout=120)

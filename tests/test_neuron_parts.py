@@ -133,12 +133,13 @@ def _neuron(trainer):
 def test_catch_up_keeps_a_state_that_matches_and_refuses_one_that_does_not():
     from dtrain.neurons.runtime import params_digest
     from dtrain.neurons.sync import export_state
+    from dtrain.training.replica import params_sketch
 
     swarm_state = _trainer(0)
     x = torch.randint(0, 300, (4, 32))
     swarm_state.train_step(x)
     good_meta, good_tensors = export_state(swarm_state, epoch=1)
-    good_digest = params_digest(swarm_state)
+    target = CatchUpTarget(epoch=1, sketch=params_sketch(swarm_state.params))
 
     poisoned = _trainer(0)
     with torch.no_grad():
@@ -148,13 +149,52 @@ def test_catch_up_keeps_a_state_that_matches_and_refuses_one_that_does_not():
     lagging = _neuron(_trainer(0))
     own_digest = lagging._digest
     lagging.swarm = _PeerWithState(bad_meta, [t.clone() for t in bad_tensors])
-    assert lagging._catch_up(CatchUpTarget(epoch=1, digest=good_digest)) is False
+    assert lagging._catch_up(target) is False
     assert lagging.epoch == 0 and params_digest(lagging.trainer) == own_digest  # own state put back
 
     lagging.swarm = _PeerWithState(good_meta, [t.clone() for t in good_tensors])
-    assert lagging._catch_up(CatchUpTarget(epoch=1, digest=good_digest)) is True
-    assert lagging.epoch == 1 and lagging._digest == good_digest
+    assert lagging._catch_up(target) is True
+    assert lagging.epoch == 1 and lagging._digest == params_digest(swarm_state)
     assert lagging.swarm.priority == 1
+
+
+def test_a_replica_that_drifted_at_the_same_epoch_resyncs_within_tolerance():
+    """Honest replicas differ in the last bits (fused vs plain AdamW): a peer's state within the
+    replica tolerance of the target is accepted, one a step away is not."""
+    from dtrain.neurons.sync import export_state
+    from dtrain.training.replica import REPLICA_RTOL, params_distance, params_sketch
+
+    reference = _trainer(0)
+    x = torch.randint(0, 300, (4, 32))
+    reference.train_step(x)
+    target = CatchUpTarget(epoch=1, sketch=params_sketch(reference.params))
+
+    other_hardware = _trainer(0)  # bits differ from the reference, well inside the tolerance
+    other_hardware.train_step(x)
+    with torch.no_grad():
+        for p in other_hardware.params:
+            p.mul_(1 + 1e-7)
+    assert 0 < params_distance(other_hardware.params, reference.params) < REPLICA_RTOL
+
+    one_step_off = _trainer(0)
+    one_step_off.train_step(x)
+    one_step_off.train_step(torch.randint(0, 300, (4, 32)))
+
+    drifted = _neuron(_trainer(0))
+    drifted.epoch = 1
+    with torch.no_grad():
+        for p in drifted.trainer.params:
+            p.add_(1e-3 * torch.randn_like(p))
+    assert not drifted._near(target.sketch)
+    drifted.trainer.accumulate(torch.randint(0, 300, (4, 32)))
+    batch = [g.clone() for g in drifted.trainer.gradients()]
+    drifted.swarm = _PeerWithState(*export_state(one_step_off, epoch=1))
+    assert drifted._catch_up(target) is False and not drifted._near(target.sketch)
+    # a refused state does not cost the local batch trained so far
+    assert drifted.trainer.accumulated_samples == 4
+    assert all(torch.equal(a, b) for a, b in zip(batch, drifted.trainer.gradients()))
+    drifted.swarm = _PeerWithState(*export_state(other_hardware, epoch=1))
+    assert drifted._catch_up(target) is True and drifted._near(target.sketch) and drifted.epoch == 1
 
 
 def test_catch_up_never_goes_back_to_an_older_state():

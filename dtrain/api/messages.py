@@ -356,6 +356,10 @@ class TrainRequest(Message):
                                  "Sequences per micro-batch; the miner splits the pages into micro-batches of this size.")
     params_digest: str | None = wire(DIGEST, "The validator's own parameter digest (see `/v1/status`).",
                                      optional=True)
+    params_sketch: tuple | None = wire(
+        ListOf(Number(), MAX_SKETCH), "The validator's parameter sketch (256 values; docs/scoring.md, \"Replica "
+        "tolerance\"). A miner at the same epoch whose own sketch is farther than the replica tolerance "
+        "resynchronises from its peers.", optional=True)
 
 
 @dataclass(frozen=True)
@@ -378,7 +382,8 @@ class TrainResponse(Message):
     uid: int = wire(Integer(0, 65535), "The miner's uid.")
     epoch: int = wire(EPOCH, "The miner's epoch (it answered for this one).")
     samples_total: int = wire(Integer(0, MAX_JSON_INT), "Samples in the miner's local accumulation after this query.")
-    params_digest: str = wire(DIGEST, "As in `/v1/status`; the validator verifies only when it equals its own.")
+    params_digest: str = wire(DIGEST, "As in `/v1/status` (informational: replicas are compared with a tolerance, "
+                              "docs/scoring.md).")
     microbatches: tuple = wire(ListOf(Nested(MicroBatchReport), MAX_MICROBATCHES), "One report per micro-batch, in order.")
 
 
@@ -395,7 +400,8 @@ class AllReduceRequest(Message):
         MapOf(PEER_ID, Number(0.0, MAX_WEIGHT), MAX_PEERS, "peer ids to numbers in [0, 1e12]"),
         "Per-peer weight limit (what the validator verified). With it, an unlisted peer gets 0; "
         "without it every peer gets `weight_cap`.", optional=True)
-    params_digest: str | None = wire(DIGEST, "The state a lagging miner catches up to.", optional=True)
+    params_digest: str | None = wire(DIGEST, "The validator's parameter digest (informational; a lagging miner "
+                                     "catches up to a peer's state at `epoch`).", optional=True)
 
 
 @dataclass(frozen=True)
@@ -449,8 +455,9 @@ class StatusResponse(Message):
     swarm_fingerprint: str | None = wire(
         Text(max_len=128), "Hash of the model fingerprint and every swarm-wide setting "
         "(docs/configuration.md); peers that differ are reported WRONG_MODEL.", optional=True)
-    params_digest: str | None = wire(DIGEST, "First 16 hex digits of SHA-256 over the float32 parameters; "
-                                     "replicas in sync agree.", optional=True)
+    params_digest: str | None = wire(DIGEST, "First 16 hex digits of SHA-256 over the float32 parameters. "
+                                     "Informational: honest replicas on other hardware differ in the last bits, so "
+                                     "peers compare replicas with a tolerance (docs/scoring.md).", optional=True)
     peer_id: str | None = wire(PEER_ID, "The hivemind peer id.", optional=True)
     maddrs: tuple | None = wire(ListOf(Text(max_len=512), 64), "Multiaddrs the miner's DHT node listens on.",
                                 optional=True)

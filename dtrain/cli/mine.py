@@ -35,8 +35,8 @@ def mine(
     from dtrain.cli.neuron_runner import run_neuron
 
     def build(telemetry, stop):
-        from dtrain.neurons.miner import Miner
+        from dtrain.neurons.adversary import miner_class
 
-        return Miner(cfg, telemetry, stop, adversary=adversary, max_rounds=max_rounds)
+        return miner_class(adversary)(cfg, telemetry, stop, max_rounds=max_rounds)
 
     raise typer.Exit(run_neuron(cfg, "miner", node.no_dashboard, build))

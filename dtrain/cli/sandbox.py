@@ -13,7 +13,11 @@ import typer
 
 from dtrain.cli.common import CommandError, JsonOpt, NoDashboardOpt, cli_errors, err, print_json
 
-ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner")
+# dtrain.neurons.adversary.KINDS, written out so that completion never imports the neurons
+# (tests/test_cli.py checks the two agree). "fused-adamw" is an honest miner on another
+# optimizer implementation, the sandbox's stand-in for other hardware.
+ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner", "sign-flip", "zero",
+               "rescale", "noisy", "replay", "sandbagger", "fused-adamw")
 
 
 def _complete_adversary(incomplete: str) -> list[str]:
@@ -25,7 +29,8 @@ def sandbox(
     miners: Annotated[int, typer.Option("--miners", min=1, max=32, help="Honest miners to start.")] = 3,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="All-reduce rounds to run before stopping.")] = 2,
     adversary: Annotated[Optional[list[str]], typer.Option(
-        "--adversary", help=f"Add a cheating miner (repeatable): {', '.join(ADVERSARIES)}.",
+        "--adversary", help=f"Add a cheating miner (repeatable): {', '.join(ADVERSARIES[:-1])}; or "
+        "fused-adamw, an honest miner on another optimizer implementation.",
         autocompletion=_complete_adversary)] = None,
     directory: Annotated[Optional[Path], typer.Option(
         "--dir", file_okay=False, help="Keep the sandbox state here (default: a temporary directory).")] = None,

@@ -1,30 +1,213 @@
 """Cheating miners, for tests and ``dtrain sandbox --adversary KIND``.
 
-Each kind misbehaves in one way the subnet's documents name, so validator
-operators can watch the scoring catch it:
+Each kind misbehaves in one way, so validator operators can watch the scoring catch it.
+They are subclasses of the honest :class:`~dtrain.neurons.miner.Miner` that override one
+of its seams; the honest code paths never ask which kind they are.
+
+Answering validators:
 
 - ``lazy``: never trains; fabricates losses and fingerprints.
 - ``wrong-model``: trains a different architecture.
-- ``copycat``: answers a Train challenge with another miner's answer (the work of
-  the neighbouring uid for the same nonce).
+- ``copycat``: answers a Train challenge with another miner's pages (the neighbouring uid's).
 - ``freeloader``: trains and answers, but never joins the averaging.
-- ``inflated-weight``: claims a huge sample count in the averaging.
-- ``poisoner``: sends scaled, noisy gradients into the all-reduce.
 
-They are enabled only by the hidden ``--adversary`` flag of ``dtrain mine``, never
-by configuration.
+What goes into the all-reduce (each trains and answers Train queries honestly):
+
+- ``inflated-weight``: claims a huge sample count.
+- ``poisoner``: sends scaled, noisy gradients.
+- ``sign-flip``: sends the negated mean gradient (same norm).
+- ``zero``: sends a zero gradient with its honest weight.
+- ``rescale``: sends its mean gradient times ``RESCALE``.
+- ``noisy``: adds Gaussian noise of ``NOISE_RATIO`` times the gradient's norm.
+- ``replay``: sends the contribution of its previous round again.
+- ``sandbagger``: trains one page of its local batch, and commits a work report naming the
+  whole batch (the right page ids, sketches made up to match what it sends).
+
+Not a cheat: ``fused-adamw`` is an honest miner whose optimizer is torch's fused AdamW (what
+CUDA miners run) while everyone else runs the plain one: "other hardware" in the sandbox.
+
+Enabled only by the hidden ``--adversary`` flag of ``dtrain mine``, never by configuration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from typing import Sequence
 
-KINDS = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner")
+from dtrain.neurons.miner import Miner
 
 INFLATED_WEIGHT = 1e6
 POISON_SCALE = 1000.0
+RESCALE = 2.0
+NOISE_RATIO = 0.5
+
+
+class AdversarialMiner(Miner):
+    kind = "honest"
+
+
+class Lazy(AdversarialMiner):
+    kind = "lazy"
+
+    def _wants_more_data(self) -> bool:
+        return False  # never trains
+
+    def _challenge_fingerprints(self, request, pages):
+        return fabricated_fingerprints(len(pages) * self.cfg.data.page_sequences, request.micro_batch_size,
+                                       request.nonce, self._last_loss)
+
+
+class WrongModel(AdversarialMiner):
+    kind = "wrong-model"
+
+    def _build_workbench(self):
+        from dtrain.neurons import runtime
+
+        return runtime.build_workbench(self.cfg, n_positions=wrong_model_positions(self.cfg))
+
+
+class Copycat(AdversarialMiner):
+    kind = "copycat"
+
+    def _challenge_uid(self) -> int:
+        return copycat_uid(self.uid)
+
+
+class Freeloader(AdversarialMiner):
+    kind = "freeloader"
+
+    def _joins_rounds(self) -> bool:
+        return False
+
+
+class _AlteredContribution(AdversarialMiner):
+    """Trains honestly and commits its honest work report, then sends ``alter(mean)``."""
+
+    def alter(self, mean: list) -> list:
+        raise NotImplementedError
+
+    def _contribution(self, samples, weight_cap):
+        mean, weight, report = super()._contribution(samples, weight_cap)
+        return self.alter(mean), weight, report
+
+
+class InflatedWeight(AdversarialMiner):
+    kind = "inflated-weight"
+
+    def _contribution(self, samples, weight_cap):
+        mean, _, report = super()._contribution(samples, weight_cap)
+        return mean, INFLATED_WEIGHT, report
+
+
+class Poisoner(_AlteredContribution):
+    kind = "poisoner"
+
+    def alter(self, mean):
+        return poison(mean)
+
+
+class SignFlip(_AlteredContribution):
+    kind = "sign-flip"
+
+    def alter(self, mean):
+        return [-t for t in mean]
+
+
+class Zero(_AlteredContribution):
+    kind = "zero"
+
+    def alter(self, mean):
+        return [t * 0 for t in mean]
+
+
+class Rescale(_AlteredContribution):
+    kind = "rescale"
+
+    def alter(self, mean):
+        return [t * RESCALE for t in mean]
+
+
+class Noisy(_AlteredContribution):
+    kind = "noisy"
+
+    def alter(self, mean):
+        import torch
+
+        norm = float(sum(float(t.double().pow(2).sum()) for t in mean)) ** 0.5
+        numel = sum(t.numel() for t in mean)
+        sigma = NOISE_RATIO * norm / max(numel, 1) ** 0.5
+        gen = torch.Generator().manual_seed(self.epoch)
+        return [t + sigma * torch.randn(t.shape, generator=gen) for t in mean]
+
+
+class Replay(_AlteredContribution):
+    kind = "replay"
+    _previous: list | None = None
+
+    def alter(self, mean):
+        sent = self._previous if self._previous is not None else mean
+        self._previous = [t.clone() for t in mean]
+        return [t.clone() for t in sent]
+
+
+class Sandbagger(AdversarialMiner):
+    """Trains one page, claims a full local batch with a made-up work report."""
+
+    kind = "sandbagger"
+
+    def _wants_more_data(self) -> bool:
+        return self.trainer.accumulated_samples < self.cfg.data.page_sequences and super()._wants_more_data()
+
+    def _contribution(self, samples, weight_cap):
+        from dtrain.training.data import assign_pages
+        from dtrain.training.work import PageWork, WorkReport
+
+        mean, _, real = super()._contribution(samples, weight_cap)
+        per_page = self.cfg.data.page_sequences
+        count = max(1, self.cfg.training.local_batch_size // per_page)
+        if not real.pages:
+            return mean, 0.0, real
+        # every page "contributes" the same sketch, so the report's mean matches what is sent
+        mean_sketch = real.mean_sketch()
+        sketch = tuple(v * per_page for v in mean_sketch)
+        pages = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, page_counter=0,
+                             count=count, num_pages=self.bench.reader.num_pages)
+        fake = tuple(PageWork(page=p, counter=i, samples=per_page, loss=real.pages[0].loss, sketch=sketch)
+                     for i, p in enumerate(pages))
+        report = WorkReport(epoch=real.epoch, pages=fake)
+        return mean, float(min(report.samples, weight_cap)), report
+
+
+class FusedAdamW(AdversarialMiner):
+    """Honest, with torch's fused AdamW instead of the plain one (another optimizer implementation)."""
+
+    kind = "fused-adamw"
+
+    def _build_workbench(self):
+        from dtrain.training.trainer import Trainer
+
+        bench = super()._build_workbench()
+        trainer = Trainer(bench.model, dataclasses.replace(bench.trainer.config, fused=True))
+        return dataclasses.replace(bench, trainer=trainer)
+
+
+MINERS = {cls.kind: cls for cls in (Lazy, WrongModel, Copycat, Freeloader, InflatedWeight, Poisoner, SignFlip, Zero,
+                                    Rescale, Noisy, Replay, Sandbagger, FusedAdamW)}
+KINDS = tuple(MINERS)
+
+
+def miner_class(kind: str | None) -> type[Miner]:
+    """The Miner class for ``--adversary KIND`` (the honest one for None)."""
+    if kind is None:
+        return Miner
+    try:
+        return MINERS[kind]
+    except KeyError:
+        from dtrain.neurons.runtime import NeuronError
+
+        raise NeuronError(f"unknown adversary kind {kind!r}; expected one of {', '.join(KINDS)}") from None
 
 
 def wrong_model_positions(cfg) -> int:

@@ -24,12 +24,14 @@ REGISTRATION_BACKOFF_MAX_S = 30.0
 class CatchUpTarget:
     """The state a catch-up must reach.
 
-    ``epoch`` and ``digest`` are set when someone named them (a validator's query, or
-    what most miners report); None means "any peer state that is not older than ours".
+    ``epoch`` and ``sketch`` (a parameter sketch, dtrain.training.replica) are set when
+    someone named them (a validator's query, or what most miners report); None means "any
+    peer state that is not older than ours". A state is accepted when its parameter sketch is
+    within the replica tolerance of ``sketch``: honest replicas differ in the last bits.
     """
 
     epoch: int | None = None
-    digest: str | None = None
+    sketch: tuple | None = None
 
 
 class NeuronBase:
@@ -200,6 +202,10 @@ class NeuronBase:
             return False
         with self.model_lock:
             own_meta, own_tensors = self._shared_state()
+            # A refused state must not cost the local batch trained so far either: importing a
+            # state drops the accumulated gradients, so keep them to put back.
+            samples = self.trainer.accumulated_samples
+            grads = [g.detach().clone() for g in self.trainer.gradients()] if samples else None
             try:
                 new_epoch = import_state(self.trainer, loaded[0], loaded[1])
             except ValueError as exc:
@@ -211,10 +217,12 @@ class NeuronBase:
                 problem = f"it is older (epoch {new_epoch} < {own_meta['epoch']})"
             elif target.epoch is not None and new_epoch != target.epoch:
                 problem = f"it is at epoch {new_epoch}, expected {target.epoch}"
-            elif target.digest is not None and self._digest != target.digest:
-                problem = "its parameters differ from the swarm's"
+            elif target.sketch is not None and not self._near(target.sketch):
+                problem = "its parameters differ from the swarm's by more than the replica tolerance"
             if problem:
                 import_state(self.trainer, own_meta, own_tensors)
+                if grads is not None:
+                    self.trainer.set_gradients(grads, num_samples=samples)
                 self._refresh_digest()
                 self.tel.event(f"catch-up: refused a peer's state: {problem}")
                 return False
@@ -222,6 +230,17 @@ class NeuronBase:
         self.swarm.set_state_priority(self.epoch)
         self.tel.event(f"caught up to epoch {self.epoch}")
         return True
+
+    def _params_sketch(self) -> tuple:
+        from dtrain.training.replica import params_sketch
+
+        return params_sketch(self.trainer.params)
+
+    def _near(self, sketch) -> bool:
+        """Whether this replica is within the replica tolerance of the one ``sketch`` describes."""
+        from dtrain.training.replica import sketch_distance, within_tolerance
+
+        return within_tolerance(sketch_distance(self._params_sketch(), tuple(sketch)))
 
     def _refresh_digest(self) -> None:
         from dtrain.neurons.runtime import params_digest

@@ -25,7 +25,6 @@ from dtrain.api.messages import (
     AllReduceRequest, AllReduceResponse, MicroBatchReport, StatusResponse, TrainRequest, TrainResponse,
 )
 from dtrain.config import Config
-from dtrain.neurons import adversary as adv
 from dtrain.neurons.base import CatchUpTarget, NeuronBase
 from dtrain.neurons.jobs import JobQueue
 from dtrain.neurons.runtime import NeuronError, node_dir
@@ -45,11 +44,8 @@ class Miner(NeuronBase):
     role = "miner"
 
     def __init__(self, cfg: Config, telemetry: Telemetry, stop: threading.Event, *,
-                 adversary: str | None = None, max_rounds: int | None = None):
-        if adversary is not None and adversary not in adv.KINDS:
-            raise NeuronError(f"unknown adversary kind {adversary!r}; expected one of {', '.join(adv.KINDS)}")
+                 max_rounds: int | None = None):
         super().__init__(cfg, telemetry, stop)
-        self.kind = adversary or "honest"
         self.max_rounds = max_rounds
         self.jobs = JobQueue()
         self.page_counter = 0  # pages of our own assignment trained this epoch
@@ -78,9 +74,11 @@ class Miner(NeuronBase):
         self.dir = node_dir(cfg, "miner", self.hotkey)
 
         self.tel.update(uid=self.uid, state="building model")
-        n_positions = adv.wrong_model_positions(cfg) if self.kind == "wrong-model" else None
-        self.bench = runtime.build_workbench(cfg, n_positions=n_positions)
+        self.bench = self._build_workbench()
         self.trainer = self.bench.trainer
+        from dtrain.training.work import WorkLog
+
+        self.work = WorkLog(self.bench.run_id)
         if self._resume(uid=self.uid):
             self.tel.event(f"resumed from checkpoint at epoch {self.epoch}, step {self.trainer.counters.inner_step}")
         self.tel.event(f"model {cfg.model.preset}: {self.bench.param_count:,} parameters, "
@@ -212,9 +210,52 @@ class Miner(NeuronBase):
                 self._refresh_status()
                 last_status = now
 
+    # ------------------------------------------------------------------ seams
+    # What a miner does at each step of the protocol, one method each, so that the cheating
+    # miners of dtrain.neurons.adversary override a seam instead of branching in here.
+
+    def _build_workbench(self):
+        from dtrain.neurons import runtime
+
+        return runtime.build_workbench(self.cfg)
+
+    def _challenge_fingerprints(self, request: TrainRequest, pages: list[int]) -> list:
+        """Per-micro-batch fingerprints of a Train challenge's pages, on the current model.
+
+        Computed aside (autograd.grad, exactly as the validator recomputes): challenge pages
+        are the validator's test, not part of this miner's contribution to the round.
+        """
+        from dtrain.api.server import HandlerError
+        from dtrain.training.trainer import recompute_fingerprints
+
+        try:
+            tokens_in = self.bench.reader.read_pages(pages)
+        except DataSourceError as exc:
+            raise HandlerError(503, f"data unavailable: {exc}") from None
+        with self.model_lock:
+            return recompute_fingerprints(self.bench.model, tokens_in, nonce=request.nonce,
+                                          micro_batch_size=request.micro_batch_size,
+                                          precision=self.trainer.precision)
+
+    def _challenge_uid(self) -> int:
+        """Whose pages a Train challenge asks for: this miner's."""
+        return self.uid
+
+    def _joins_rounds(self) -> bool:
+        return True
+
+    def _contribution(self, samples: int, weight_cap: float):
+        """(mean gradient, weight, work report) this miner puts into a round.
+
+        Peers exchange *mean* gradients weighted by sample counts; the trainer keeps sums. An
+        honest miner never claims more than the cap it was told (a claim above it would read
+        as inflation) nor more than the samples its work report commits to.
+        """
+        mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
+        report = self.work.report()
+        return mean, float(min(samples, report.samples, weight_cap)), report
+
     def _wants_more_data(self) -> bool:
-        if self.kind == "lazy":
-            return False  # a lazy miner never trains
         if time.monotonic() < self._data_retry_at:
             return False
         return self.trainer.accumulated_samples < self.cfg.training.local_batch_size
@@ -235,7 +276,12 @@ class Miner(NeuronBase):
             self._data_retry_at = time.monotonic() + DATA_RETRY_S
             return
         with self.model_lock:
+            if self.trainer.accumulated_samples == 0:
+                self.work.reset(self.epoch)  # a new accumulation: a new work report
             results = self.trainer.accumulate(tokens_in)
+            # The page's sketch is the change in the accumulated gradient's sketch (linear).
+            self.work.record(page=page[0], counter=self.page_counter, samples=sum(r.samples for r in results),
+                             loss=_page_loss(results), gradients=self.trainer.gradients())
         elapsed = max(time.perf_counter() - t0, 1e-9)
         self.page_counter += 1
         tokens = sum(r.samples for r in results) * self.cfg.model.seq_len
@@ -275,29 +321,19 @@ class Miner(NeuronBase):
         from dtrain.training.data import assign_pages
 
         if request.epoch != self.epoch:
-            self._catch_up_if_behind(request.epoch, request.params_digest)
+            self._catch_up_if_behind(request.epoch, request.params_sketch)
             raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {request.epoch}")
+        if request.params_sketch and not self._near(request.params_sketch):
+            # Same epoch, but this replica drifted past the replica tolerance (docs/scoring.md):
+            # resynchronise from the swarm instead of being marked out of sync every round.
+            self._pending_catch_up = CatchUpTarget(epoch=self.epoch, sketch=tuple(request.params_sketch))
+            raise HandlerError(409, "this miner's parameters differ from the validator's by more than the replica "
+                                    "tolerance; resynchronising from peers")
         reader = self.bench.reader
-        page_uid = adv.copycat_uid(self.uid) if self.kind == "copycat" else self.uid
-        pages = assign_pages(run_id=self.bench.run_id, uid=page_uid, epoch=self.epoch, page_counter=0,
+        pages = assign_pages(run_id=self.bench.run_id, uid=self._challenge_uid(), epoch=self.epoch, page_counter=0,
                              count=request.pages, num_pages=reader.num_pages, nonce=request.nonce)
         mbs = request.micro_batch_size
-        if self.kind == "lazy":
-            prints = adv.fabricated_fingerprints(len(pages) * self.cfg.data.page_sequences, mbs, request.nonce,
-                                                 self._last_loss)
-        else:
-            previous = self.trainer.config.micro_batch_size
-            self.trainer.config.micro_batch_size = mbs  # the validator recomputes with this split
-            try:
-                tokens_in = reader.read_pages(pages)
-            except DataSourceError as exc:
-                raise HandlerError(503, f"data unavailable: {exc}") from None
-            try:
-                with self.model_lock:
-                    results = self.trainer.accumulate(tokens_in, fingerprint_nonce=request.nonce)
-            finally:
-                self.trainer.config.micro_batch_size = previous
-            prints = [r.fingerprint for r in results]
+        prints = self._challenge_fingerprints(request, pages)
         micro = tuple(
             # Each report names the page its micro-batch's first sequence came from.
             MicroBatchReport(page=pages[min(i * mbs // self.cfg.data.page_sequences, len(pages) - 1)],
@@ -309,7 +345,7 @@ class Miner(NeuronBase):
     def _allreduce(self, request: AllReduceRequest, caller: str) -> AllReduceResponse:
         from dtrain.api.server import HandlerError
 
-        if self.kind == "freeloader":
+        if not self._joins_rounds():
             return AllReduceResponse(joined=False, epoch=self.epoch, round=None, reason="not joining")
         future = self.jobs.submit(lambda: self._do_round(request))
         try:
@@ -318,33 +354,29 @@ class Miner(NeuronBase):
             future.cancel()
             raise HandlerError(503, "round did not finish in time") from None
 
-    def _catch_up_if_behind(self, epoch: int, digest: str | None) -> None:
-        """A validator queried a later epoch: schedule a catch-up to exactly its state."""
+    def _catch_up_if_behind(self, epoch: int, sketch) -> None:
+        """A validator queried a later epoch: schedule a catch-up to its state (within tolerance)."""
         if epoch > self.epoch:
-            self._pending_catch_up = CatchUpTarget(epoch=epoch, digest=digest)
+            self._pending_catch_up = CatchUpTarget(epoch=epoch, sketch=tuple(sketch) if sketch else None)
 
     def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
         if request.epoch != self.epoch:
-            self._catch_up_if_behind(request.epoch, request.params_digest)
+            self._catch_up_if_behind(request.epoch, None)
             return AllReduceResponse(joined=False, epoch=self.epoch, round=None,
                                      reason=f"miner is at epoch {self.epoch}, round is for epoch {request.epoch}")
+        from dtrain.training.work import work_nonce
+
         samples = self.trainer.accumulated_samples
-        # Peers exchange *mean* gradients weighted by sample counts; the trainer keeps sums.
-        mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
-        # An honest miner never claims more than the cap it was told: a claim above it would be
-        # read as inflation (e.g. after a failed round, or with several validators' Train pages).
-        weight = float(min(samples, request.weight_cap))
-        if self.kind == "inflated-weight":
-            weight = adv.INFLATED_WEIGHT
-        if self.kind == "poisoner":
-            mean = adv.poison(mean)
+        with self.model_lock:
+            mean, weight, report = self._contribution(samples, request.weight_cap)
         # With per-peer caps, a peer the validator did not list (it did not verify it) gets none.
         peer_caps = request.weight_caps or {}
         default_cap = 0.0 if peer_caps else request.weight_cap
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "weight": weight})
         record = self.swarm.run_round(mean, weight=weight, cap=default_cap,
                                       tokens=samples * self.cfg.model.seq_len,
-                                      timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop)
+                                      timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop,
+                                      work=report, work_nonce=work_nonce(self.bench.run_id, self.epoch))
         metrics = self._apply_round(record, mean)
         if metrics is not None:
             self.page_counter = 0  # page counters restart with each epoch's fresh permutation
@@ -415,6 +447,12 @@ class Miner(NeuronBase):
             if st.last_success_tag:
                 self.tel.update(last_push=st.last_success_tag)
         self._write_status()
+
+
+def _page_loss(results) -> float:
+    """Sample-weighted mean loss of a page's micro-batches."""
+    n = sum(r.samples for r in results)
+    return sum(r.loss * r.samples for r in results) / n if n else float("nan")
 
 
 def _is_loopback(api: str) -> bool:

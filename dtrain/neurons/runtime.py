@@ -224,6 +224,9 @@ def averaging_config(cfg: Config, log_path: Path | None):
         matchmaking_timeout_s=matchmaking_timeout_s(a),
         compression=a.compression,
         log_path=str(log_path) if log_path else None,
+        # neurons always bind contributions to work (docs/protocol.md, "Work commitments")
+        require_commitments=True,
+        aggregation=a.aggregation,
     )
 
 

@@ -4,13 +4,18 @@ One validation round:
 
 1. read the metagraph and the miners' commitments;
 2. probe each selected miner: a signed Train challenge (a fresh nonce, from which the
-   pages follow), and a state-slice download for bandwidth;
+   pages follow), and a state-slice download for bandwidth and replica distance;
 3. recompute a random subset of each miner's micro-batches on this validator's own
    replica of the model and compare losses and gradient fingerprints;
-4. ask the miners to join an all-reduce round and join it with weight 0, so this
-   replica receives the same average and stays in step for the next verification;
-5. score (``dtrain.validation.scoring``), smooth, turn into weights, and set them on
+4. ask the miners to join an all-reduce round and join it with weight 0. Each miner commits
+   there to the pages its contribution came from; peers refuse a contribution that is not
+   the mean of its committed pages (dtrain.swarm.contribution);
+5. audit: recompute randomly chosen committed pages of each miner on the pre-step model,
+   then take the round's step, so this replica stays in step for the next verification;
+6. score (``dtrain.validation.scoring``), smooth, turn into weights, and set them on
    chain at the rate limit; persist everything.
+
+Every decision about what was measured is made in ``dtrain.validation.verification``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class Probe:
     note: str = ""
     shared_peer_id: bool = False
     slice_check: tuple | None = None
+    replica_distance: float | None = None  # of its state slice from ours (dtrain.training.replica)
+    work: object | None = None  # its WorkVerdict (dtrain.validation.verification), after the audit
 
 
 class Validator(NeuronBase):
@@ -162,20 +169,28 @@ class Validator(NeuronBase):
         loss_before = self._eval_loss()
         self.tel.update(state=f"round {round_no}: Train queries")
         nonce = secrets.token_hex(16)
+        self._round_sketch = self._params_sketch()
         with ThreadPoolExecutor(max_workers=min(8, len(probes))) as pool:
             list(pool.map(lambda p: self._probe(p, nonce), probes))
         t0 = time.perf_counter()
         for probe in probes:
             self._verify(probe, nonce)
         verify_s = time.perf_counter() - t0
+        self._resync_if_alone(probes)
 
         self.tel.update(state=f"round {round_no}: all-reduce")
-        record = self._allreduce(probes, round_no)
+        record, averaged = self._allreduce(probes, round_no)
+        self.tel.update(state=f"round {round_no}: auditing committed work")
+        t0 = time.perf_counter()
+        self._audit(probes, record)
+        audit_s = time.perf_counter() - t0
+        self._take_step(record, averaged)
         loss_after = self._eval_loss() if record.ok else loss_before
 
         scores = self._score(probes, record, neurons)
         weights = self._set_weights(neurons)
         summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
+        summary["audit_s"] = round(audit_s, 3)
         self.state.add_round(summary)
         from dtrain.validation.state import save_state
 
@@ -203,24 +218,34 @@ class Validator(NeuronBase):
                 probe.note = "peer id committed by several hotkeys"
 
     def _follow_the_swarm(self, probes: list[Probe]) -> None:
-        """If most reachable miners agree on a later (epoch, parameters) than ours, adopt it.
+        """If most reachable miners are at a later epoch than ours, adopt a peer's state at it.
 
         Without this a validator that fell behind (restart from an older checkpoint, a second
-        validator's round) could never verify anyone again.
+        validator's round) could never verify anyone again. Epochs, not digests, are compared:
+        honest replicas on other hardware differ in the last bits (docs/scoring.md).
         """
         from collections import Counter
 
-        states = Counter()
-        for probe in probes:
-            st = probe.status
-            if st is not None and st.epoch is not None and st.params_digest is not None:
-                states[(st.epoch, st.params_digest)] += 1
-        if not states:
+        epochs = Counter(p.status.epoch for p in probes if p.status is not None and p.status.epoch is not None)
+        if not epochs:
             return
-        (epoch, digest), votes = states.most_common(1)[0]
+        epoch, votes = epochs.most_common(1)[0]
         if epoch > self.epoch and votes * 2 > len(probes):
             self.tel.event(f"most miners are at epoch {epoch}, this validator at {self.epoch}: catching up")
-            if self._catch_up(CatchUpTarget(epoch=epoch, digest=digest)):
+            if self._catch_up(CatchUpTarget(epoch=epoch)):
+                self._save_checkpoint(uid=0)
+
+    def _resync_if_alone(self, probes: list[Probe]) -> None:
+        """Same epoch, but most miners' parameters are beyond the replica tolerance from ours:
+        this replica is the one that drifted. Take a peer's state at our epoch."""
+        from dtrain.training.replica import within_tolerance
+
+        measured = [p.replica_distance for p in probes if p.replica_distance is not None]
+        far = [d for d in measured if not within_tolerance(d)]
+        if len(measured) >= 2 and len(far) * 2 > len(measured):
+            self.tel.event(f"{len(far)} of {len(measured)} miners are beyond the replica tolerance from this "
+                           "validator: resynchronising from peers")
+            if self._catch_up(CatchUpTarget(epoch=self.epoch)):
                 self._save_checkpoint(uid=0)
 
     def _probe(self, probe: Probe, nonce: str) -> None:
@@ -236,7 +261,8 @@ class Validator(NeuronBase):
                           f"ours {self.bench.swarm_fingerprint[:12]}; docs/configuration.md)")
             return
         challenge = TrainRequest(nonce=nonce, epoch=self.epoch, pages=self.cfg.validator.pages_per_query,
-                                 micro_batch_size=self.cfg.training.micro_batch_size, params_digest=self._digest)
+                                 micro_batch_size=self.cfg.training.micro_batch_size, params_digest=self._digest,
+                                 params_sketch=self._round_sketch)
         t0 = time.perf_counter()
         try:
             probe.train = self.client.train(probe.api, probe.hotkey, challenge, timeout=300)
@@ -245,31 +271,34 @@ class Validator(NeuronBase):
         probe.train_seconds = time.perf_counter() - t0
         # A random offset, and the bytes must be our own replica's: a miner cannot serve zeros
         # (or a cached blob) without holding the model.
+        # Aligned to whole float32 values, so the slice can also be compared value by value.
         length = self.cfg.validator.slice_bytes
-        offset = secrets.randbelow(max(1, 4 * sum(p.numel() for p in self.trainer.params)))
+        offset = 4 * secrets.randbelow(max(1, sum(p.numel() for p in self.trainer.params)))
         try:
-            dl = self.client.state_slice(probe.api, probe.hotkey, offset, length, timeout=60)
+            dl = self.client.state_slice(probe.api, probe.hotkey, offset, length, timeout=60, keep_data=True)
         except ApiError as exc:
             probe.slice_bps, probe.slice_error = 0.0, str(exc)
             return
         probe.slice_bps = dl.bytes_per_second
-        probe.slice_check = (offset, length, dl.sha256, dl.bytes_received)
+        probe.slice_check = (offset, length, dl.data or b"", dl.bytes_received)
 
     def _verify(self, probe: Probe, nonce: str) -> None:
         """Recompute a random subset of the miner's micro-batches; fill ``probe.checks``."""
         from dtrain.training.data import assign_pages
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
         from dtrain.training.trainer import recompute_fingerprints
-        from dtrain.validation.scoring import MicroBatchCheck, check_from_comparison
+        from dtrain.validation.scoring import check_from_comparison
+        from dtrain.validation.verification import answer_problem, choose_recomputed, in_sync_problem
 
         self._check_slice(probe)
         if probe.train is None:
             probe.note = probe.note or probe.train_error or "no Train answer"
             return
         answer = probe.train
-        if answer.epoch != self.epoch or answer.params_digest != self._digest:
+        problem = in_sync_problem(answer.epoch, self.epoch, probe.replica_distance)
+        if problem:
             # Not a forgery we can prove, but nothing we can verify either: no credit.
-            probe.note = f"out of sync (epoch {answer.epoch}, ours {self.epoch})"
+            probe.note = problem
             return
         reader = self.bench.reader
         mbs = self.cfg.training.micro_batch_size
@@ -278,14 +307,11 @@ class Validator(NeuronBase):
         tokens = reader.read_pages(pages)
         expected = math.ceil(tokens.shape[0] / mbs)
         micro = answer.microbatches
-        if len(micro) != expected:
-            probe.checks = [MicroBatchCheck(passed=False, similarity=0.0, loss_rel_err=math.inf)]
-            probe.note = f"expected {expected} micro-batches, got {len(micro)}"
+        problem, failed = answer_problem(len(micro), expected)
+        if problem:
+            probe.checks, probe.note = failed, problem
             return
-        count = max(1, math.ceil(self.cfg.validator.recompute_fraction * expected))
-        # Chosen with a secret the miner never sees: were it derivable from the nonce, a cheater
-        # could compute exactly the checked micro-batches honestly and fabricate the rest.
-        chosen = sorted(random.Random(secrets.randbits(64)).sample(range(expected), count))
+        chosen = choose_recomputed(expected, self.cfg.validator.recompute_fraction, random.Random(secrets.randbits(64)))
         checks = []
         for index in chosen:
             x = tokens[index * mbs:(index + 1) * mbs]
@@ -301,29 +327,35 @@ class Validator(NeuronBase):
         probe.checks = checks
 
     def _check_slice(self, probe: Probe) -> None:
-        import hashlib
-
+        """The slice must be this model's parameters at that offset, within the replica tolerance
+        (honest replicas differ in the last bits); its distance tells who drifted."""
         from dtrain.neurons.sync import state_slice
+        from dtrain.training.replica import params_rms, slice_distance, within_tolerance
 
         if probe.slice_check is None:
             return
-        offset, length, sha, received = probe.slice_check
-        expected = hashlib.sha256(state_slice(self.trainer, offset, length)).hexdigest()
-        if received != length or sha != expected:
+        offset, length, data, received = probe.slice_check
+        ours = state_slice(self.trainer, offset, length)
+        distance = slice_distance(data, ours, params_rms(self.trainer.params)) if received == len(ours) else math.inf
+        probe.replica_distance = distance
+        if not within_tolerance(distance):
             probe.slice_bps = 0.0
-            probe.slice_error = "state slice does not match the model"
+            probe.slice_error = "state slice does not match the model (beyond the replica tolerance)"
 
     def _weight_cap(self) -> float:
-        """The most samples an honest miner brings to a round: its local batch plus our Train pages."""
-        return float(self.cfg.training.local_batch_size
-                     + self.cfg.validator.pages_per_query * self.cfg.data.page_sequences)
+        """The most samples an honest miner brings to a round: its local batch (Train pages are
+        computed aside and are not part of a contribution)."""
+        return float(self.cfg.training.local_batch_size)
 
     def _allreduce(self, probes: list[Probe], round_no: int):
+        """Run the round with weight 0; return its record and the averaged gradient (not applied yet)."""
         from dtrain.api.client import ApiError
+        from dtrain.training.work import WorkReport, work_nonce
+        from dtrain.validation.verification import train_passed, weight_caps
 
         # The cap is what we verified: a miner whose Train answer failed gets no weight at all.
-        caps = {p.peer_id: (self._weight_cap() if p.checks and all(c.passed for c in p.checks)
-                            and not p.shared_peer_id else 0.0) for p in probes}
+        caps = weight_caps({p.peer_id: train_passed(p.checks, shared_peer_id=p.shared_peer_id) for p in probes},
+                           self._weight_cap())
         deadline = round_deadline_s(self.cfg.allreduce)
         request = AllReduceRequest(round_id=f"{self.bench.run_id}-{self.epoch}-{round_no}", epoch=self.epoch,
                                    weight_cap=self._weight_cap(), deadline_s=deadline, weight_caps=caps,
@@ -341,27 +373,74 @@ class Validator(NeuronBase):
             tensors = [z.clone() for z in self.zeros]
             record = self.swarm.run_round(tensors, weight=0.0, cap=0.0,
                                           expected_peers=[p.peer_id for p in probes], timeout_s=deadline,
-                                          peer_caps=caps, stop=self.stop)
+                                          peer_caps=caps, stop=self.stop, work=WorkReport(epoch=self.epoch),
+                                          work_nonce=work_nonce(self.bench.run_id, self.epoch))
             for f in futures:
                 f.result()
+        return record, tensors
+
+    def _take_step(self, record, averaged) -> None:
         # Joining with weight 0, this replica receives the same average and takes the same step.
-        if self._apply_round(record, tensors) is not None:
+        if self._apply_round(record, averaged) is not None:
             self._save_checkpoint(uid=0)
             if record.fraction_averaged < 1.0:
                 # Part of our replica kept local (zero) values: take a peer's state instead.
                 self._catch_up()
         self.tel.round_finished(record.to_dict())
-        return record
+
+    def _audit(self, probes: list[Probe], record) -> None:
+        """Recompute randomly chosen committed pages of every miner on the pre-step model."""
+        from dtrain.training.data import assign_pages
+        from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
+        from dtrain.training.trainer import recompute_page_work
+        from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError, work_nonce
+        from dtrain.validation.verification import (
+            WorkVerdict, check_page_ids, choose_audit_pages, judge_work, page_audit,
+        )
+
+        reader = self.bench.reader
+        nonce = work_nonce(self.bench.run_id, self.epoch)
+        # Drawn now, after every miner committed in the gather, from a secret it never sees.
+        rng = random.Random(secrets.randbits(64))
+        for probe in probes:
+            wire = record.work_reports.get(probe.peer_id)
+            if wire is None or probe.shared_peer_id:
+                continue
+            try:
+                report = WorkReport.from_wire(wire, k=WORK_SKETCH_K)
+            except WorkReportError as exc:
+                probe.work = WorkVerdict(committed_samples=0, problem=f"malformed work report: {exc}")
+                continue
+            if not report.pages:
+                continue
+
+            def expected(counter: int, uid=probe.uid) -> int:
+                return assign_pages(run_id=self.bench.run_id, uid=uid, epoch=self.epoch, page_counter=counter,
+                                    count=1, num_pages=reader.num_pages)[0]
+
+            id_problem = check_page_ids(report.pages, expected)
+            audits = []
+            if not id_problem:
+                for index in choose_audit_pages(len(report.pages), self.cfg.validator.audit_pages, rng):
+                    entry = report.pages[index]
+                    reference = recompute_page_work(self.bench.model, reader.read_pages([entry.page]), nonce=nonce,
+                                                    micro_batch_size=self.cfg.training.micro_batch_size,
+                                                    precision=self.trainer.precision, k=WORK_SKETCH_K)
+                    claimed = Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples)
+                    audits.append(page_audit(entry, compare_fingerprints(claimed, reference)))
+            probe.work = judge_work(report, id_problem, audits, expected_epoch=self.epoch)
+            if not probe.work.passed:
+                probe.note = probe.work.problem
 
     def _score(self, probes: list[Probe], record, neurons) -> dict:
         from dtrain.swarm.records import Outcome
-        from dtrain.validation.scoring import (
-            MinerRoundInput, ScoringConfig, TrainCheck, combined_scores, score_round, update_ema,
-        )
+        from dtrain.validation.scoring import ScoringConfig, combined_scores, score_round, update_ema
 
         v = self.cfg.validator
         scfg = ScoringConfig(w_gradient=v.weight_gradient, w_steps=v.weight_steps, w_bandwidth=v.weight_bandwidth,
                              w_participation=v.weight_allreduce, ema_alpha=v.ema_alpha)
+        from dtrain.validation.verification import round_input
+
         claimed_by_peer = {p.peer_id: p.weight_claimed for p in record.peers}
         inputs = {}
         for probe in probes:
@@ -376,20 +455,14 @@ class Validator(NeuronBase):
                 probe.note = (result.reason if result is not None else "") or "did not join the all-reduce"
             # The all-reduce figures in a miner's reply are its own claims, so bandwidth is
             # scored on the state slice this validator timed (and checked) itself.
-            train = None
             miner_ahead = probe.status is not None and (probe.status.epoch or 0) > self.epoch
-            if probe.checks or (probe.status is not None and not miner_ahead):
-                # A reachable miner that did not answer the Train challenge (or answered out of
-                # sync) gets an empty check: gated to 0, not "not measured".
-                passed = bool(probe.checks) and all(c.passed for c in probe.checks) and not probe.shared_peer_id
-                verified = int(self._weight_cap()) if passed else 0
-                claimed = claimed_by_peer.get(probe.peer_id)
-                if claimed is None:
-                    claimed = float(probe.train.samples_total) if probe.train is not None else 0.0
-                checks = list(probe.checks) if not probe.shared_peer_id else []
-                train = TrainCheck(checks=checks, claimed_samples=int(min(max(claimed, 0.0), 2**62)),
-                                   verified_samples=verified)
-            inputs[probe.uid] = MinerRoundInput(train=train, outcome=outcome, state_slice_bps=probe.slice_bps)
+            # A reachable miner that did not answer the Train challenge (or answered out of
+            # sync) gets an empty check: gated to 0, not "not measured".
+            measured = bool(probe.checks) or (probe.status is not None and not miner_ahead)
+            inputs[probe.uid] = round_input(checks=list(probe.checks) if measured else None,
+                                            shared_peer_id=probe.shared_peer_id, work=probe.work,
+                                            claimed_weight=claimed_by_peer.get(probe.peer_id), outcome=outcome,
+                                            slice_bps=probe.slice_bps)
         scores = score_round(inputs, scfg)
         hotkeys = {n.uid: n.hotkey for n in neurons}
         self.state.ema = update_ema(self.state.ema, combined_scores(scores), hotkeys, alpha=scfg.ema_alpha)

@@ -62,12 +62,14 @@ def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
     cfg.node.role = member.role
     cfg.node.data_dir = str(layout.neuron_dir(root, member.name) / "data")
     cfg.model.preset, cfg.model.seq_len, cfg.model.run_id = "tiny", 128, RUN_ID
-    cfg.data.source, cfg.data.tokenizer, cfg.data.page_sequences = "local", "shipped", 8
+    # Small pages and a local batch of 16 of them: the validator's checks (one challenge
+    # micro-batch, one audited page per miner) stay near a tenth of a miner's training.
+    cfg.data.source, cfg.data.tokenizer, cfg.data.page_sequences = "local", "shipped", 4
     m = cfg.training
-    m.micro_batch_size, m.local_batch_size = 8, 16
+    m.micro_batch_size, m.local_batch_size = 4, 64
     m.lr, m.warmup_steps, m.total_steps, m.device, m.precision = 2e-3, 0, 1000, "cpu", "fp32"
     v = cfg.validator
-    v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 2, 0.5
+    v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 1, 0.5
     v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
     a = cfg.allreduce
     a.min_group_size, a.target_group_size = 2, 64
@@ -328,7 +330,8 @@ def build_summary(root: Path, wall_s: float | None = None) -> dict:
                        "epoch": r.get("epoch"),
                        "fraction_averaged": r.get("fraction_averaged"), "error": r.get("error", ""),
                        "loss_before": r.get("loss_before"), "loss_after": r.get("loss_after"),
-                       "verify_s": r.get("verify_s"), "train_query_s": r.get("train_query_s"),
+                       "verify_s": r.get("verify_s"), "audit_s": r.get("audit_s"),
+                       "train_query_s": r.get("train_query_s"),
                        "outcomes": {str(m["uid"]): m["outcome"] for m in r.get("miners", [])},
                        "notes": {str(m["uid"]): m.get("note", "") for m in r.get("miners", []) if m.get("note")}})
     last_scores = {int(k): v for k, v in state.get("last_scores", {}).items()}
@@ -348,12 +351,13 @@ def build_summary(root: Path, wall_s: float | None = None) -> dict:
         curve += [r["loss_after"] for r in rounds]
     curve = [c for c in curve if isinstance(c, (int, float))]
     verify = sum(r.get("verify_s") or 0 for r in rounds)
+    audit = sum(r.get("audit_s") or 0 for r in rounds)
     train = sum(r.get("train_query_s") or 0 for r in rounds)
     return {
         "dir": str(root), "wall_s": round(wall_s, 1) if wall_s is not None else None,
         "rounds": rounds, "miners": miners,
         "loss": {"start": curve[0] if curve else None, "end": curve[-1] if curve else None, "curve": curve},
-        "verification": {"verify_s": round(verify, 3), "train_query_s": round(train, 3),
+        "verification": {"verify_s": round(verify, 3), "audit_s": round(audit, 3), "train_query_s": round(train, 3),
                          "ratio": round(verify / train, 4) if train else None},
         "uids": {str(uid): m.name for uid, m in by_uid.items()},
     }

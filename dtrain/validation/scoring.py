@@ -53,15 +53,17 @@ def check_from_comparison(cmp: object, reference_loss: float) -> MicroBatchCheck
 class TrainCheck:
     """Result of the Train query for one miner in one round.
 
-    ``claimed_samples``: samples the miner reported for the challenge window (this is also
-    the averaging weight it asks for). ``verified_samples``: samples the validator can back
-    with verification for the same window (e.g. samples of the returned micro-batches whose
-    recomputed subset passed).
+    ``claimed_samples``: the averaging weight the miner asked for in the round.
+    ``verified_samples``: samples the validator can back with verification: the samples of
+    the miner's committed work, when its Train answer and its work audits passed
+    (``dtrain.validation.verification``). ``work_problem`` is why the committed work did not
+    verify ("" when it did, or when nothing was committed to audit).
     """
 
     checks: Sequence[MicroBatchCheck]
     claimed_samples: int
     verified_samples: int
+    work_problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ GATE_VERIFY_FAILED = "verification_failed"
 GATE_INFLATED_CLAIM = "inflated_claim"
 GATE_WRONG_MODEL = "wrong_model"
 GATE_NO_PARTICIPATION = "no_participation"
+GATE_WORK_AUDIT = "work_audit_failed"
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,8 @@ def score_round(
                 g_list.append(GATE_NO_CHECKS)
             elif g <= 0.0:
                 g_list.append(GATE_VERIFY_FAILED)
+            elif inp.train.work_problem:
+                g_list.append(GATE_WORK_AUDIT)
             elif claim_inflated(inp.train, cfg):
                 g_list.append(GATE_INFLATED_CLAIM)
             else:
@@ -273,7 +278,12 @@ def score_round(
             # Negative evidence (the gates above) still counts, so this is "no update".
             combined = None
         else:
-            combined = combine(grad[uid], steps, bandwidth, participation, cfg)
+            # Pay follows verified work: the components make a quality factor (steps at full
+            # credit in it), which the steps fraction then scales. A miner that trained half
+            # its batch earns half; one that trained nothing earns nothing, however well it
+            # answers challenges or serves bandwidth.
+            quality = combine(grad[uid], 1.0, bandwidth, participation, cfg)
+            combined = quality * min(1.0, max(0.0, steps if steps is not None else 0.0))
         out[uid] = RoundScore(
             gradient=grad[uid],
             steps=steps,

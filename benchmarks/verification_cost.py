@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""The validator's cost: its verification time per miner ÷ that miner's training time per round.
+
+One round of the sandbox's protocol, on the sandbox's settings (tiny model, 128-token
+sequences, 4-sequence pages, micro-batches of 4, a local batch of 64, one Train page of
+which half the micro-batches are recomputed, one audited page), on this machine:
+
+- baseline, the miner: train its local batch page by page and record its work report
+  (``Trainer.accumulate`` + ``WorkLog.record``, exactly what ``Miner._train_own_page`` does);
+- the validator, per miner: recompute the chosen Train micro-batches, check the committed
+  page ids, recompute the audited pages, and compare a state slice with its replica.
+
+Both are timed in alternation, ``--repeats`` times; prints the median of each, the spread and
+``ratio`` = validator / miner (target <= 0.15). Single-threaded torch, so the figure is
+per-core and comparable between machines of one kind; a GPU miner on a CPU validator is not
+what this measures.
+
+    python benchmarks/verification_cost.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--page-sequences", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--local-batch", type=int, default=64)
+    ap.add_argument("--pages-per-query", type=int, default=1)
+    ap.add_argument("--recompute-fraction", type=float, default=0.5)
+    ap.add_argument("--audit-pages", type=int, default=1)
+    ap.add_argument("--slice-bytes", type=int, default=1 << 20)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from dtrain.neurons.sync import state_slice
+    from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
+    from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
+    from dtrain.training.models import create_model
+    from dtrain.training.replica import params_rms, slice_distance
+    from dtrain.training.tokenizer import load_fallback_tokenizer
+    from dtrain.training.trainer import Trainer, TrainerConfig, recompute_fingerprints, recompute_page_work
+    from dtrain.training.work import WORK_SKETCH_K, WorkLog, work_nonce
+    from dtrain.validation.verification import check_page_ids, choose_audit_pages
+
+    torch.set_num_threads(args.threads)
+    tok = load_fallback_tokenizer()
+    reader = PageReader(DataSource.shipped(), tok, PageSpec(seq_len=args.seq_len, page_sequences=args.page_sequences))
+    model = create_model("tiny", vocab_size=len(tok), n_positions=args.seq_len, seed=0)
+    trainer = Trainer(model, TrainerConfig(micro_batch_size=args.micro_batch, local_batch_size=args.local_batch))
+    run_id, uid, epoch = "bench", 1, 0
+    n_pages = args.local_batch // args.page_sequences
+    own = assign_pages(run_id=run_id, uid=uid, epoch=epoch, page_counter=0, count=n_pages, num_pages=reader.num_pages)
+    own_tokens = [reader.read_page(p) for p in own]
+    nonce = "ab" * 16
+    challenge = reader.read_pages(assign_pages(run_id=run_id, uid=uid, epoch=epoch, page_counter=0,
+                                               count=args.pages_per_query, num_pages=reader.num_pages, nonce=nonce))
+    work_seed = work_nonce(run_id, epoch)
+
+    def miner_round():
+        trainer.zero_grad()
+        log = WorkLog(run_id)
+        log.reset(epoch)
+        for counter, (page, tokens) in enumerate(zip(own, own_tokens)):
+            results = trainer.accumulate(tokens)
+            log.record(page=page, counter=counter, samples=tokens.shape[0], loss=results[0].loss,
+                       gradients=trainer.gradients())
+        return log.report()
+
+    report = miner_round()
+    answer = recompute_fingerprints(model, challenge, nonce=nonce, micro_batch_size=args.micro_batch)
+    rng = random.Random(0)
+
+    def validator_round():
+        expected = len(answer)
+        count = max(1, math.ceil(args.recompute_fraction * expected))
+        for index in sorted(rng.sample(range(expected), count)):
+            x = challenge[index * args.micro_batch:(index + 1) * args.micro_batch]
+            ref = recompute_fingerprints(model, x, nonce=nonce, micro_batch_size=args.micro_batch)[0]
+            assert compare_fingerprints(answer[index], ref).passed
+        assert not check_page_ids(report.pages, lambda c: assign_pages(
+            run_id=run_id, uid=uid, epoch=epoch, page_counter=c, count=1, num_pages=reader.num_pages)[0])
+        for index in choose_audit_pages(len(report.pages), args.audit_pages, rng):
+            entry = report.pages[index]
+            ref = recompute_page_work(model, reader.read_pages([entry.page]), nonce=work_seed,
+                                      micro_batch_size=args.micro_batch, k=WORK_SKETCH_K)
+            claimed = Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples)
+            assert compare_fingerprints(claimed, ref).passed, compare_fingerprints(claimed, ref).reasons
+        offset = 4 * rng.randrange(sum(p.numel() for p in trainer.params))
+        mine = state_slice(trainer, offset, args.slice_bytes)
+        slice_distance(mine, mine, params_rms(trainer.params))
+
+    miner_s, validator_s = [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        miner_round()
+        miner_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        validator_round()
+        validator_s.append(time.perf_counter() - t0)
+    ratios = [v / m for v, m in zip(validator_s, miner_s)]
+    out = {"miner_train_s": statistics.median(miner_s), "validator_verify_s": statistics.median(validator_s),
+           "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+           "repeats": args.repeats, "threads": args.threads,
+           "settings": {k: getattr(args, k) for k in ("seq_len", "page_sequences", "micro_batch", "local_batch",
+                                                      "pages_per_query", "recompute_fraction", "audit_pages")}}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"miner trains its local batch: {out['miner_train_s']:.3f} s (median of {args.repeats})")
+        print(f"validator verifies that miner: {out['validator_verify_s']:.3f} s")
+        print(f"ratio {out['ratio']:.3f} (range {out['ratio_min']:.3f}-{out['ratio_max']:.3f}; target <= 0.15)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Per-round verification of miners: pure decisions over plain data.
+
+The validator neuron does the I/O (queries, recomputation on its replica, the all-reduce);
+every decision about what it measured is made here, once:
+
+- ``in_sync_problem``, ``answer_problem``, ``choose_recomputed``: whether a Train answer can
+  be checked, and which of its micro-batches are recomputed;
+- ``train_passed``: whether a miner's Train answer verified (its weight cap for the round);
+- ``weight_caps``: the per-peer caps sent with the AllReduce query;
+- ``choose_audit_pages``: which of a miner's committed pages are recomputed, drawn with the
+  validator's secret randomness *after* the miner committed to them in the round's gather;
+- ``check_page_ids``: whether the committed pages are the miner's own assignment;
+- ``judge_work``: the work verdict from those checks and the recomputations;
+- ``round_input``: the scoring input (dtrain.validation.scoring) built from all of it.
+
+Nothing here imports torch, the network or the clock (tests/test_validation_verification.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from dtrain.swarm.records import Outcome
+from dtrain.validation.scoring import MicroBatchCheck, MinerRoundInput, TrainCheck
+
+
+# ------------------------------------------------------------------ the Train challenge
+
+def train_passed(checks: Sequence[MicroBatchCheck], *, shared_peer_id: bool = False) -> bool:
+    """A Train answer verified: something was recomputed and every recomputed micro-batch passed,
+    and the miner's peer id is its own (a peer id committed by several hotkeys cannot be told apart)."""
+    return bool(checks) and all(c.passed for c in checks) and not shared_peer_id
+
+
+def in_sync_problem(answer_epoch: int, our_epoch: int, replica_distance: float | None) -> str:
+    """"" when a Train answer can be verified against our replica, else why not: another epoch,
+    or a state slice beyond the replica tolerance (dtrain.training.replica)."""
+    from dtrain.training.replica import REPLICA_RTOL, within_tolerance
+
+    if answer_epoch != our_epoch:
+        return f"out of sync (epoch {answer_epoch}, ours {our_epoch})"
+    if replica_distance is not None and not within_tolerance(replica_distance):
+        return f"out of sync (parameters {replica_distance:.2g} from ours, replica tolerance {REPLICA_RTOL:g})"
+    return ""
+
+
+def answer_problem(got: int, expected: int) -> tuple[str, list[MicroBatchCheck]]:
+    """A Train answer with the wrong number of micro-batches is one failed check, not "unchecked"."""
+    if got == expected:
+        return "", []
+    return f"expected {expected} micro-batches, got {got}", [MicroBatchCheck(False, 0.0, math.inf)]
+
+
+def choose_recomputed(count: int, fraction: float, rng: random.Random) -> list[int]:
+    """Which of ``count`` reported micro-batches to recompute: ``ceil(fraction x count)`` (at
+    least one), drawn from the validator's secret. Were the choice derivable from the nonce, a
+    cheater could compute exactly those micro-batches honestly and fabricate the rest."""
+    if count <= 0:
+        return []
+    return sorted(rng.sample(range(count), min(count, max(1, math.ceil(fraction * count)))))
+
+
+def weight_caps(verified: dict[str, bool], cap: float) -> dict[str, float]:
+    """peer id -> the weight the round may give it: ``cap`` if its Train answer verified, else 0."""
+    return {peer: (float(cap) if ok else 0.0) for peer, ok in verified.items()}
+
+
+# ------------------------------------------------------------------ work audits
+
+@dataclass(frozen=True)
+class PageAudit:
+    """The recomputation of one committed page."""
+
+    page: int
+    counter: int
+    passed: bool
+    cosine: float
+    norm_ratio: float
+    loss_diff: float
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkVerdict:
+    """What the validator concluded about a miner's committed work this round.
+
+    ``problem`` is "" when the work verified; ``credited_samples`` are then the committed
+    samples (all of them: the audited pages stand for the rest, see docs/scoring.md), else 0.
+    """
+
+    committed_samples: int
+    audits: tuple[PageAudit, ...] = field(default_factory=tuple)
+    problem: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.problem
+
+    @property
+    def credited_samples(self) -> int:
+        return self.committed_samples if self.passed else 0
+
+
+NOT_COMMITTED = WorkVerdict(committed_samples=0, problem="no work committed in the round")
+
+
+def choose_audit_pages(num_pages: int, count: int, rng: random.Random) -> list[int]:
+    """Indices of the committed pages to recompute: ``count`` distinct ones, uniformly.
+
+    ``rng`` must be seeded from the validator's secret, drawn after the commitment; a miner
+    that could predict the choice would compute exactly those pages honestly.
+    """
+    if num_pages <= 0 or count <= 0:
+        return []
+    return sorted(rng.sample(range(num_pages), min(count, num_pages)))
+
+
+def check_page_ids(pages: Sequence, expected_page: Callable[[int], int]) -> str:
+    """"" when every committed page is the miner's own page for its counter, else the problem.
+
+    ``pages`` are PageWork entries (``page``, ``counter``); ``expected_page(counter)`` is the
+    assignment (``assign_pages(run, uid, epoch, counter)``). Counters must increase: a page
+    cannot be committed twice.
+    """
+    last = -1
+    for p in pages:
+        if p.counter <= last:
+            return f"page counter {p.counter} repeats or goes back"
+        last = p.counter
+        want = expected_page(p.counter)
+        if p.page != want:
+            return f"page {p.page} committed for counter {p.counter} is not this miner's (expected {want})"
+    return ""
+
+
+def judge_work(report, id_problem: str, audits: Sequence[PageAudit], *, expected_epoch: int) -> WorkVerdict:
+    """The work verdict: committed for this epoch, the pages the miner's own, every audit passed."""
+    committed = int(report.samples)
+    if report.epoch != expected_epoch:
+        return WorkVerdict(committed, tuple(audits), f"work committed for epoch {report.epoch}, not {expected_epoch}")
+    if id_problem:
+        return WorkVerdict(committed, tuple(audits), id_problem)
+    for a in audits:
+        if not a.passed:
+            why = "; ".join(a.reasons) or "recomputation differs"
+            return WorkVerdict(committed, tuple(audits), f"committed page {a.page} failed its audit ({why})")
+    return WorkVerdict(committed, tuple(audits))
+
+
+def page_audit(entry, comparison) -> PageAudit:
+    """Adapt a ``dtrain.training.fingerprint.Comparison`` of one committed page (duck-typed)."""
+    return PageAudit(page=entry.page, counter=entry.counter, passed=bool(comparison.passed),
+                     cosine=float(comparison.cosine), norm_ratio=float(comparison.norm_ratio),
+                     loss_diff=float(comparison.loss_diff), reasons=tuple(comparison.reasons))
+
+
+# ------------------------------------------------------------------ scoring input
+
+def round_input(*, checks: Sequence[MicroBatchCheck] | None, shared_peer_id: bool, work: WorkVerdict | None,
+                claimed_weight: float | None, outcome: Outcome | str, slice_bps: float | None) -> MinerRoundInput:
+    """The scoring input for one miner.
+
+    ``checks`` None means the Train query did not reach the point of recomputation for a reason
+    that is no evidence either way (the miner was not reachable: scored by its outcome);
+    an empty list is a failed Train query (gated). Verified samples are the credited samples
+    of the work verdict; the weight claimed in the round is checked against them.
+    """
+    if checks is None:
+        return MinerRoundInput(train=None, outcome=outcome, state_slice_bps=slice_bps)
+    passed = train_passed(checks, shared_peer_id=shared_peer_id)
+    verdict = work or NOT_COMMITTED
+    claimed = claimed_weight if claimed_weight is not None and math.isfinite(claimed_weight) else 0.0
+    train = TrainCheck(checks=list(checks) if not shared_peer_id else [],
+                       claimed_samples=int(min(max(claimed, 0.0), 2**62)),
+                       verified_samples=verdict.credited_samples if passed else 0,
+                       work_problem="" if work is None else verdict.problem)
+    return MinerRoundInput(train=train, outcome=outcome, state_slice_bps=slice_bps)

@@ -1,0 +1,121 @@
+"""The validator's per-round decisions (dtrain.validation.verification), as pure functions."""
+
+from __future__ import annotations
+
+import random
+
+from dtrain.swarm.records import Outcome
+from dtrain.validation.scoring import (
+    GATE_WORK_AUDIT, MicroBatchCheck, ScoringConfig, score_round,
+)
+from dtrain.validation.verification import (
+    NOT_COMMITTED, PageAudit, WorkVerdict, check_page_ids, choose_audit_pages, judge_work, round_input,
+    train_passed, weight_caps,
+)
+from dtrain.training.work import PageWork, WorkReport
+
+OK = MicroBatchCheck(passed=True, similarity=0.9999, loss_rel_err=0.0)
+BAD = MicroBatchCheck(passed=False, similarity=0.2, loss_rel_err=0.5)
+
+
+def _report(n=4, epoch=3, samples=4):
+    return WorkReport(epoch=epoch, pages=tuple(PageWork(page=100 + c, counter=c, samples=samples, loss=5.0,
+                                                        sketch=(0.0,) * 4) for c in range(n)))
+
+
+def _audit(passed=True):
+    return PageAudit(page=101, counter=1, passed=passed, cosine=1.0 if passed else 0.1, norm_ratio=1.0,
+                     loss_diff=0.0, reasons=() if passed else ("cosine 0.1 < 0.995",))
+
+
+def test_train_passed_is_decided_in_one_place():
+    assert train_passed([OK, OK])
+    assert not train_passed([])
+    assert not train_passed([OK, BAD])
+    assert not train_passed([OK], shared_peer_id=True)
+
+
+def test_train_answers_out_of_sync_or_misshapen_are_not_checked():
+    from dtrain.training.replica import REPLICA_RTOL
+    from dtrain.validation.verification import answer_problem, choose_recomputed, in_sync_problem
+
+    assert in_sync_problem(4, 4, None) == "" and in_sync_problem(4, 4, REPLICA_RTOL / 2) == ""
+    assert "epoch 3, ours 4" in in_sync_problem(3, 4, 0.0)
+    assert "replica tolerance" in in_sync_problem(4, 4, REPLICA_RTOL * 10)
+    assert answer_problem(2, 2) == ("", [])
+    problem, checks = answer_problem(1, 2)
+    assert "expected 2 micro-batches, got 1" in problem and not train_passed(checks)
+    assert len({tuple(choose_recomputed(8, 0.25, random.Random(seed))) for seed in range(30)}) > 5
+    assert len(choose_recomputed(4, 0.5, random.Random(1))) == 2 and len(choose_recomputed(1, 0.1, random.Random(1))) == 1
+    assert choose_recomputed(0, 0.5, random.Random(1)) == []
+
+
+def test_weight_caps_follow_the_train_verdict():
+    assert weight_caps({"a": True, "b": False}, 64) == {"a": 64.0, "b": 0.0}
+
+
+def test_audit_pages_are_distinct_and_drawn_from_the_validators_randomness():
+    picks = {tuple(choose_audit_pages(16, 2, random.Random(seed))) for seed in range(50)}
+    assert len(picks) > 20  # not predictable from the report
+    assert all(len(set(p)) == 2 and all(0 <= i < 16 for i in p) for p in picks)
+    assert choose_audit_pages(3, 10, random.Random(0)) == [0, 1, 2]
+    assert choose_audit_pages(0, 1, random.Random(0)) == [] and choose_audit_pages(5, 0, random.Random(0)) == []
+
+
+def test_committed_pages_must_be_the_miners_own_assignment():
+    report = _report()
+    assert check_page_ids(report.pages, lambda c: 100 + c) == ""
+    assert "is not this miner's" in check_page_ids(report.pages, lambda c: 200 + c)
+    repeated = report.pages[:2] + report.pages[1:2]
+    assert "repeats or goes back" in check_page_ids(repeated, lambda c: 100 + c)
+
+
+def test_work_verdict():
+    report = _report()
+    good = judge_work(report, "", [_audit()], expected_epoch=3)
+    assert good.passed and good.credited_samples == 16
+    failed = judge_work(report, "", [_audit(), _audit(False)], expected_epoch=3)
+    assert not failed.passed and failed.credited_samples == 0 and "failed its audit (cosine" in failed.problem
+    assert "epoch 3, not 4" in judge_work(report, "", [_audit()], expected_epoch=4).problem
+    assert judge_work(report, "page x is not this miner's", [], expected_epoch=3).problem == "page x is not this miner's"
+
+
+def test_round_input_and_scoring_pay_for_verified_work_only():
+    cfg = ScoringConfig()
+    full = judge_work(_report(16), "", [_audit()], expected_epoch=3)
+    half = judge_work(_report(8), "", [_audit()], expected_epoch=3)
+    caught = judge_work(_report(16), "", [_audit(False)], expected_epoch=3)
+    inputs = {
+        1: round_input(checks=[OK], shared_peer_id=False, work=full, claimed_weight=64, outcome=Outcome.SUCCESS,
+                       slice_bps=1e7),
+        2: round_input(checks=[OK], shared_peer_id=False, work=half, claimed_weight=32, outcome=Outcome.SUCCESS,
+                       slice_bps=1e7),
+        3: round_input(checks=[OK], shared_peer_id=False, work=caught, claimed_weight=64, outcome=Outcome.SUCCESS,
+                       slice_bps=1e7),
+        # joined nothing, answered well: nothing verified, gated by its outcome, not by an audit
+        4: round_input(checks=[OK], shared_peer_id=False, work=None, claimed_weight=None,
+                       outcome=Outcome.NON_PARTICIPATING, slice_bps=1e7),
+        # not reachable at all: only its outcome is evidence
+        5: round_input(checks=None, shared_peer_id=False, work=None, claimed_weight=None,
+                       outcome=Outcome.NOT_ALIVE, slice_bps=None),
+        # claims more than it committed
+        6: round_input(checks=[OK], shared_peer_id=False, work=half, claimed_weight=64, outcome=Outcome.SUCCESS,
+                       slice_bps=1e7),
+    }
+    scores = score_round(inputs, cfg)
+    assert scores[1].combined > 0.999
+    assert abs(scores[2].combined - 0.5 * scores[1].combined) < 1e-9  # half the verified work, half the pay
+    assert scores[3].combined == 0.0 and GATE_WORK_AUDIT in scores[3].gated
+    assert scores[4].combined == 0.0 and GATE_WORK_AUDIT not in scores[4].gated
+    assert inputs[5].train is None and scores[5].combined == 0.0 and "no_participation" in scores[5].gated
+    assert scores[6].combined == 0.0 and "inflated_claim" in scores[6].gated
+    assert inputs[4].train.verified_samples == 0 and NOT_COMMITTED.credited_samples == 0
+
+
+def test_a_failed_train_answer_credits_nothing_even_with_good_work():
+    full = judge_work(_report(16), "", [_audit()], expected_epoch=3)
+    inp = round_input(checks=[BAD], shared_peer_id=False, work=full, claimed_weight=64, outcome=Outcome.SUCCESS,
+                      slice_bps=1e7)
+    assert inp.train.verified_samples == 0
+    assert score_round({1: inp})[1].combined == 0.0
+    assert WorkVerdict(0).passed and WorkVerdict(5, problem="x").credited_samples == 0
