@@ -14,7 +14,9 @@ Set-ups, each from the same initial weights over the same pages:
 - ``honest/mean``: four honest miners, plain weighted mean (the baseline);
 - ``honest/centered_clip``: four honest miners, CenteredClip (what clipping costs honest training);
 - ``attacked-s/mean``: one attacker, plain mean (what the attack does unbounded);
-- ``attacked-s/centered_clip``: one attacker, CenteredClip (dtrain's rule).
+- ``attacked-s/centered_clip``: one attacker, CenteredClip (dtrain's rule);
+- ``attacker-removed/mean``: the three honest miners alone, the bound for any rule (the
+  attacker's pages are lost whatever the rule does with its contribution).
 
 Prints the drop of the held-out loss over the rounds for each, and ``ratio`` = drop of the
 worst attacked CenteredClip run / drop of ``honest/mean`` (target >= 0.9).
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--scales", type=float, nargs="+", default=[1.0, 3.0, 9.9])
     ap.add_argument("--part-size-bytes", type=int, default=2**17)
+    ap.add_argument("--tau-scale", type=float, default=None, help="override dtrain.swarm.robust.TAU_SCALE")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -47,7 +50,9 @@ def main(argv=None) -> int:
 
     from dtrain.swarm import compat
     from dtrain.swarm.contribution import PartLayout
-    from dtrain.swarm.robust import centered_clip, weighted_mean
+    from dtrain.swarm.robust import TAU_SCALE, centered_clip, weighted_mean
+
+    tau_scale = args.tau_scale if args.tau_scale is not None else TAU_SCALE
     from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
     from dtrain.training.models import create_model
     from dtrain.training.tokenizer import load_fallback_tokenizer
@@ -71,7 +76,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             return float(microbatch_loss(model, eval_tokens, "fp32"))
 
-    def run(rule: str, scale: float | None) -> dict:
+    def run(rule: str, scale: float | None, *, without_last: bool = False) -> dict:
         nonlocal layout
         trainer = Trainer(copy.deepcopy(base), TrainerConfig(micro_batch_size=8, local_batch_size=args.local_batch,
                                                              lr=args.lr, warmup_steps=0, total_steps=1000))
@@ -83,18 +88,18 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         for r in range(args.rounds):
             contributions = []
-            for m in range(args.miners):
+            for m in range(args.miners - 1 if without_last else args.miners):
                 trainer.zero_grad()
                 trainer.accumulate(batches[r][m])
                 mean = [g.detach().clone() / args.local_batch for g in trainer.gradients()]
                 if scale is not None and m == args.miners - 1:
                     mean = [-scale * t for t in mean]
                 contributions.append(mean)
-            weights = [float(args.local_batch)] * args.miners
+            weights = [float(args.local_batch)] * len(contributions)
             averaged = [torch.empty_like(t) for t in contributions[0]]
             for i, begin, length in layout.parts:
                 parts = [c[i].reshape(-1)[begin:begin + length] for c in contributions]
-                agg = centered_clip(parts, weights) if rule == "centered_clip" else weighted_mean(parts, weights)
+                agg = centered_clip(parts, weights, tau_scale=tau_scale) if rule == "centered_clip" else weighted_mean(parts, weights)
                 averaged[i].reshape(-1)[begin:begin + length] = agg
             trainer.set_gradients(averaged, num_samples=1)
             trainer.step()
@@ -103,7 +108,9 @@ def main(argv=None) -> int:
                 "drop": start - curve[-1], "seconds": round(time.perf_counter() - t0, 2),
                 "curve": [round(x, 4) for x in curve]}
 
-    runs = {"honest/mean": run("mean", None), "honest/centered_clip": run("centered_clip", None)}
+    runs = {"honest/mean": run("mean", None), "honest/centered_clip": run("centered_clip", None),
+            # the best any rule can do against an attacker: its data is simply missing
+            "attacker-removed/mean": run("mean", None, without_last=True)}
     for s in args.scales:
         runs[f"attacked-{s:g}/mean"] = run("mean", s)
         runs[f"attacked-{s:g}/centered_clip"] = run("centered_clip", s)
@@ -112,7 +119,7 @@ def main(argv=None) -> int:
         r["ratio_vs_honest_mean"] = r["drop"] / baseline if baseline > 0 else float("nan")
     worst = min((k for k in runs if k.endswith("/centered_clip") and k.startswith("attacked")),
                 key=lambda k: runs[k]["drop"])
-    out = {"rounds": args.rounds, "miners": args.miners, "local_batch": args.local_batch, "runs": runs,
+    out = {"rounds": args.rounds, "tau_scale": tau_scale, "miners": args.miners, "local_batch": args.local_batch, "runs": runs,
            "worst_attacked": worst, "ratio": runs[worst]["ratio_vs_honest_mean"],
            "honest_clip_ratio": runs["honest/centered_clip"]["ratio_vs_honest_mean"]}
     if args.json:

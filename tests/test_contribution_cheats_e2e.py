@@ -60,7 +60,8 @@ def test_each_cheat_is_caught_for_its_own_reason(run):
         # never averaged in after its first round (a replayer's first round has nothing to replay)
         assert "SUCCESS" not in outcomes[1:], (kind, outcomes, notes)
         assert any("does not match its committed pages" in n for n in notes), (kind, notes)
-    assert "work_audit_failed" in seen["sandbagger"]["gated"]
+    # caught by an audit (one page of sixteen is real: 15/16 per round), then on probation
+    assert {"work_audit_failed", "probation"} & set(seen["sandbagger"]["gated"]), seen["sandbagger"]
     notes = [r["notes"].get(str(seen["sandbagger"]["uid"]), "") for r in run["rounds"]]
     assert any("failed its audit" in n for n in notes), notes
 

@@ -119,3 +119,32 @@ def test_a_failed_train_answer_credits_nothing_even_with_good_work():
     assert inp.train.verified_samples == 0
     assert score_round({1: inp})[1].combined == 0.0
     assert WorkVerdict(0).passed and WorkVerdict(5, problem="x").credited_samples == 0
+
+
+def test_probation_after_a_failed_audit():
+    from dtrain.validation.scoring import GATE_PROBATION
+    from dtrain.validation.verification import PROBATION_ROUNDS, on_probation, update_probation
+
+    probation = update_probation({}, {"cheat": True, "honest": False}, round_no=5)
+    assert probation == {"cheat": 5 + PROBATION_ROUNDS}
+    assert on_probation(probation, "cheat", 5) and on_probation(probation, "cheat", 5 + PROBATION_ROUNDS)
+    assert not on_probation(probation, "cheat", 6 + PROBATION_ROUNDS) and not on_probation(probation, "honest", 6)
+    # caught again while on probation: the probation is extended, never shortened
+    again = update_probation(probation, {"cheat": True}, round_no=8)
+    assert again["cheat"] == 8 + PROBATION_ROUNDS
+    assert update_probation(again, {}, round_no=9 + PROBATION_ROUNDS) == {}  # expired entries are dropped
+    # a miner on probation scores 0 even when this round's checks pass, and credits nothing
+    full = judge_work(_report(16), "", [_audit()], expected_epoch=3)
+    inputs = {uid: round_input(checks=[OK], shared_peer_id=False, work=full, claimed_weight=64,
+                               outcome=Outcome.SUCCESS, slice_bps=1e7, probation=uid == 2) for uid in (1, 2)}
+    scores = score_round(inputs)
+    assert scores[2].combined == 0.0 and GATE_PROBATION in scores[2].gated and scores[2].credited_samples == 0
+    assert scores[1].combined > 0.99
+
+
+def test_probation_survives_a_restart(tmp_path):
+    from dtrain.validation.state import ValidatorState, load_state, save_state
+
+    state = ValidatorState(probation={"5Cheat": 17})
+    save_state(tmp_path / "state.json", state)
+    assert load_state(tmp_path / "state.json").probation == {"5Cheat": 17}

@@ -184,6 +184,7 @@ class Validator(NeuronBase):
         t0 = time.perf_counter()
         self._audit(probes, record)
         audit_s = time.perf_counter() - t0
+        self._update_probation(probes, round_no)
         self._take_step(record, averaged)
         loss_after = self._eval_loss() if record.ok else loss_before
 
@@ -351,10 +352,12 @@ class Validator(NeuronBase):
         """Run the round with weight 0; return its record and the averaged gradient (not applied yet)."""
         from dtrain.api.client import ApiError
         from dtrain.training.work import WorkReport, work_nonce
-        from dtrain.validation.verification import train_passed, weight_caps
+        from dtrain.validation.verification import on_probation, train_passed, weight_caps
 
-        # The cap is what we verified: a miner whose Train answer failed gets no weight at all.
-        caps = weight_caps({p.peer_id: train_passed(p.checks, shared_peer_id=p.shared_peer_id) for p in probes},
+        # The cap is what we verified: a miner whose Train answer failed, or whose committed work
+        # failed an audit recently, gets no weight at all.
+        caps = weight_caps({p.peer_id: train_passed(p.checks, shared_peer_id=p.shared_peer_id)
+                            and not on_probation(self.state.probation, p.hotkey, round_no) for p in probes},
                            self._weight_cap())
         deadline = round_deadline_s(self.cfg.allreduce)
         request = AllReduceRequest(round_id=f"{self.bench.run_id}-{self.epoch}-{round_no}", epoch=self.epoch,
@@ -387,6 +390,16 @@ class Validator(NeuronBase):
                 # Part of our replica kept local (zero) values: take a peer's state instead.
                 self._catch_up()
         self.tel.round_finished(record.to_dict())
+
+    def _update_probation(self, probes: list[Probe], round_no: int) -> None:
+        from dtrain.validation.verification import update_probation
+
+        failed = {p.hotkey: p.work is not None and not p.work.passed for p in probes}
+        self.state.probation = update_probation(self.state.probation, failed, round_no)
+        for probe in probes:
+            until = self.state.probation.get(probe.hotkey)
+            if until is not None and not failed[probe.hotkey]:
+                probe.note = probe.note or f"on probation until round {until} (its committed work failed an audit)"
 
     def _audit(self, probes: list[Probe], record) -> None:
         """Recompute randomly chosen committed pages of every miner on the pre-step model."""
@@ -439,7 +452,7 @@ class Validator(NeuronBase):
         v = self.cfg.validator
         scfg = ScoringConfig(w_gradient=v.weight_gradient, w_steps=v.weight_steps, w_bandwidth=v.weight_bandwidth,
                              w_participation=v.weight_allreduce, ema_alpha=v.ema_alpha)
-        from dtrain.validation.verification import round_input
+        from dtrain.validation.verification import on_probation, round_input
 
         claimed_by_peer = {p.peer_id: p.weight_claimed for p in record.peers}
         inputs = {}
@@ -462,7 +475,9 @@ class Validator(NeuronBase):
             inputs[probe.uid] = round_input(checks=list(probe.checks) if measured else None,
                                             shared_peer_id=probe.shared_peer_id, work=probe.work,
                                             claimed_weight=claimed_by_peer.get(probe.peer_id), outcome=outcome,
-                                            slice_bps=probe.slice_bps)
+                                            slice_bps=probe.slice_bps,
+                                            probation=on_probation(self.state.probation, probe.hotkey,
+                                                                   self.state.round_counter + 1))
         scores = score_round(inputs, scfg)
         hotkeys = {n.uid: n.hotkey for n in neurons}
         self.state.ema = update_ema(self.state.ema, combined_scores(scores), hotkeys, alpha=scfg.ema_alpha)

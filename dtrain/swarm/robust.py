@@ -19,13 +19,14 @@ from typing import Sequence
 
 import torch
 
-TAU_SCALE = 2.0
+TAU_SCALE = 1.0
 ITERATIONS = 20
+CONVERGED = 1e-6
 
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, iterations: int = ITERATIONS,
                   tau_scale: float = TAU_SCALE) -> torch.Tensor:
-    """Weighted CenteredClip of equally shaped ``parts`` (float32 result).
+    """Weighted CenteredClip of equally shaped ``parts`` (float32 result, computed in float32).
 
     Senders with weight 0 are left out. With fewer than three weighted senders no majority
     exists to clip against, and the weighted mean is returned; with none at all, the plain
@@ -36,24 +37,28 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, it
     weighted = [(p, float(w)) for p, w in zip(parts, weights, strict=True) if w > 0]
     if not weighted:
         return torch.stack([p.float() for p in parts]).mean(dim=0)
-    x = torch.stack([p.double().reshape(-1) for p, _ in weighted])
-    w = torch.tensor([w for _, w in weighted], dtype=torch.float64)
+    x = torch.stack([p.float().reshape(-1) for p, _ in weighted])
+    w = torch.tensor([w for _, w in weighted], dtype=torch.float32)
     shape = parts[0].shape
     if len(weighted) < 3:
-        return ((w[:, None] * x).sum(0) / w.sum()).float().reshape(shape)
-    v = x.median(dim=0).values
-    dist = (x - v).norm(dim=1)
-    tau = tau_scale * float(dist.median())
+        return ((w[:, None] * x).sum(0) / w.sum()).reshape(shape)
+    # lower median per coordinate (sorting a handful of rows beats torch.median here)
+    v = x.sort(dim=0).values[(x.shape[0] - 1) // 2].clone()
+    diff = x - v
+    tau = tau_scale * float(diff.norm(dim=1).median())
     if tau <= 0:
         # a majority sent exactly the median: clipping to radius 0 would keep it, which is right
-        return v.float().reshape(shape)
-    total = w.sum()
+        return v.reshape(shape)
+    share = w / w.sum()
     for _ in range(iterations):
-        diff = x - v
-        norms = diff.norm(dim=1).clamp_min(1e-300)
-        scale = torch.clamp(tau / norms, max=1.0)
-        v = v + ((w * scale)[:, None] * diff).sum(0) / total
-    return v.float().reshape(shape)
+        scale = torch.clamp(tau / diff.norm(dim=1).clamp_min(1e-30), max=1.0)
+        step = ((share * scale)[:, None] * diff).sum(0)
+        v += step
+        diff -= step
+        # converged: the fixed point is reached to float32 precision, more iterations change nothing
+        if float(step.norm()) <= CONVERGED * float(v.norm()):
+            break
+    return v.reshape(shape)
 
 
 def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

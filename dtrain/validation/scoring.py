@@ -80,6 +80,7 @@ class MinerRoundInput:
     train: TrainCheck | None = None
     outcome: Outcome | str | None = None
     state_slice_bps: float | None = None
+    probation: bool = False  # its work failed an audit in a recent round (dtrain.validation.verification)
 
     def __post_init__(self) -> None:
         if self.outcome is not None:
@@ -123,6 +124,7 @@ GATE_INFLATED_CLAIM = "inflated_claim"
 GATE_WRONG_MODEL = "wrong_model"
 GATE_NO_PARTICIPATION = "no_participation"
 GATE_WORK_AUDIT = "work_audit_failed"
+GATE_PROBATION = "probation"
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,8 @@ def score_round(
                 g_list.append(GATE_INFLATED_CLAIM)
             else:
                 verified_ok = True
+        if inp.probation:
+            g_list.append(GATE_PROBATION)
         if st is Outcome.WRONG_MODEL:
             # Recomputation was done against *our* model; a peer on another model cannot
             # have produced gradients we can trust, whatever the Train checks said.
@@ -248,7 +252,7 @@ def score_round(
             g_list.append(GATE_NO_PARTICIPATION)
         grad[uid] = g
         gates[uid] = g_list
-        credited[uid] = credited_samples(inp.train, verified_ok)
+        credited[uid] = credited_samples(inp.train, verified_ok and not inp.probation)
 
     best_steps = max([float(c) for c in credited.values()] + [cfg.steps_reference, 0.0])
     best_slice = max(

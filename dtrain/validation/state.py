@@ -48,6 +48,8 @@ class ValidatorState:
     recent_rounds: list[dict[str, Any]] = field(default_factory=list)
     weight_set: WeightSetState = field(default_factory=WeightSetState)
     round_counter: int = 0
+    # hotkey -> last round (by round_counter) of its probation (dtrain.validation.verification)
+    probation: dict[str, int] = field(default_factory=dict)
 
     def add_round(self, summary: dict[str, Any], keep: int = MAX_RECENT_ROUNDS) -> None:
         """Append a round summary (JSON-serialisable), keeping the last ``keep``."""
@@ -66,6 +68,7 @@ class ValidatorState:
             "last_scores": {str(u): s for u, s in sorted(self.last_scores.items())},
             "recent_rounds": self.recent_rounds,
             "weight_set": self.weight_set.as_dict(),
+            "probation": dict(sorted(self.probation.items())),
         }
 
     @classmethod
@@ -82,6 +85,7 @@ class ValidatorState:
             rounds = list(data.get("recent_rounds", []))
             ws = WeightSetState.from_dict(data.get("weight_set", {}) or {})
             counter = int(data.get("round_counter", 0))
+            probation = {str(h): int(r) for h, r in (data.get("probation") or {}).items()}
         except (TypeError, ValueError, AttributeError) as e:
             raise StateError(path, f"malformed field: {e}") from None
         bad = [u for u, s in ema.items() if not math.isfinite(s) or s < 0]
@@ -93,6 +97,7 @@ class ValidatorState:
             recent_rounds=rounds,
             weight_set=ws,
             round_counter=counter,
+            probation=probation,
         )
 
 

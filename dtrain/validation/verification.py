@@ -11,6 +11,8 @@ every decision about what it measured is made here, once:
   validator's secret randomness *after* the miner committed to them in the round's gather;
 - ``check_page_ids``: whether the committed pages are the miner's own assignment;
 - ``judge_work``: the work verdict from those checks and the recomputations;
+- ``on_probation``, ``update_probation``: miners whose work failed an audit get no weight
+  and no score for ``PROBATION_ROUNDS`` rounds;
 - ``round_input``: the scoring input (dtrain.validation.scoring) built from all of it.
 
 Nothing here imports torch, the network or the clock (tests/test_validation_verification.py).
@@ -157,10 +159,36 @@ def page_audit(entry, comparison) -> PageAudit:
                      loss_diff=float(comparison.loss_diff), reasons=tuple(comparison.reasons))
 
 
+# ------------------------------------------------------------------ probation
+
+# Rounds a miner whose committed work failed its audit is given no weight and no score.
+# One uniform audit catches a miner that made up a fraction f of its pages with probability
+# f; probation makes being caught cost more than the rounds it got away with.
+PROBATION_ROUNDS = 10
+
+
+def on_probation(probation: dict[str, int], hotkey: str, round_no: int) -> bool:
+    """Whether ``hotkey`` is on probation in round ``round_no``."""
+    until = probation.get(hotkey)
+    return until is not None and round_no <= until
+
+
+def update_probation(probation: dict[str, int], failed: dict[str, bool], round_no: int,
+                     rounds: int = PROBATION_ROUNDS) -> dict[str, int]:
+    """A new probation map: hotkeys whose work failed its audit in ``round_no`` are on
+    probation through ``round_no + rounds``; expired entries are dropped."""
+    out = {h: until for h, until in probation.items() if until >= round_no}
+    for hotkey, caught in failed.items():
+        if caught:
+            out[hotkey] = max(out.get(hotkey, 0), round_no + rounds)
+    return out
+
+
 # ------------------------------------------------------------------ scoring input
 
 def round_input(*, checks: Sequence[MicroBatchCheck] | None, shared_peer_id: bool, work: WorkVerdict | None,
-                claimed_weight: float | None, outcome: Outcome | str, slice_bps: float | None) -> MinerRoundInput:
+                claimed_weight: float | None, outcome: Outcome | str, slice_bps: float | None,
+                probation: bool = False) -> MinerRoundInput:
     """The scoring input for one miner.
 
     ``checks`` None means the Train query did not reach the point of recomputation for a reason
@@ -169,7 +197,7 @@ def round_input(*, checks: Sequence[MicroBatchCheck] | None, shared_peer_id: boo
     of the work verdict; the weight claimed in the round is checked against them.
     """
     if checks is None:
-        return MinerRoundInput(train=None, outcome=outcome, state_slice_bps=slice_bps)
+        return MinerRoundInput(train=None, outcome=outcome, state_slice_bps=slice_bps, probation=probation)
     passed = train_passed(checks, shared_peer_id=shared_peer_id)
     verdict = work or NOT_COMMITTED
     claimed = claimed_weight if claimed_weight is not None and math.isfinite(claimed_weight) else 0.0
@@ -177,4 +205,4 @@ def round_input(*, checks: Sequence[MicroBatchCheck] | None, shared_peer_id: boo
                        claimed_samples=int(min(max(claimed, 0.0), 2**62)),
                        verified_samples=verdict.credited_samples if passed else 0,
                        work_problem="" if work is None else verdict.problem)
-    return MinerRoundInput(train=train, outcome=outcome, state_slice_bps=slice_bps)
+    return MinerRoundInput(train=train, outcome=outcome, state_slice_bps=slice_bps, probation=probation)
