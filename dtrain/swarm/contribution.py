@@ -66,26 +66,24 @@ class PartLayout:
         return len(self.parts)
 
 
-def wire_values(part: torch.Tensor, compression, info) -> torch.Tensor:
-    """What a receiver decodes from ``part`` sent with ``compression``."""
-    from hivemind.compression import deserialize_torch_tensor
+def as_received(part: torch.Tensor, compression) -> torch.Tensor:
+    """What a receiver decodes from ``part`` sent with ``compression`` (the lossy round trip;
+    the part itself when there is no compression)."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 
-    if type(compression).__name__ == "NoCompression":
+    if compression.compression_type == 0:  # NONE: exact, skip the copy
         return part
-    return deserialize_torch_tensor(compression.compress(part, info))
+    return deserialize_torch_tensor(serialize_torch_tensor(part, compression.compression_type))
 
 
 def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,
-                   k: int = WORK_SKETCH_K) -> bytes:
-    """Per-part range sketches of ``tensors`` as they will arrive (float32 bytes, parts in order)."""
-    from hivemind.compression import CompressionInfo
-
+                   k: int = WORK_SKETCH_K) -> np.ndarray:
+    """Per-part range sketches of ``tensors`` as they will arrive: float32 [num_parts, k]."""
     out = np.zeros((len(layout), k), dtype="<f4")
     for g, (i, start, length) in enumerate(layout.parts):
         piece = tensors[i].detach().reshape(-1)[start:start + length]
-        info = CompressionInfo.from_tensor(piece, key=i)
-        out[g] = range_sketch(wire_values(piece, compression, info), i, start, nonce, k=k).numpy()
-    return out.tobytes()
+        out[g] = range_sketch(as_received(piece, compression), i, start, nonce, k=k).numpy()
+    return out
 
 
 @dataclass

@@ -12,7 +12,7 @@ import enum
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Optional
 
 
@@ -80,8 +80,8 @@ class RoundRecord:
     mode: str = "gradient"  # "gradient" (per-step) or "diloco" (pseudo-gradient)
     tokens: int = 0  # tokens this peer trained on for this round (for bytes/token); 0 if unknown
     error: str = ""  # non-empty when the round did not run (e.g. no group found)
-    # peer id -> the work report (wire form) it committed in the gather; for validators'
-    # audits, kept out of logs and to_dict (it is large and other peers' data)
+    # peer id -> the WorkReport it committed in the gather (parsed and checked); for
+    # validators' audits, kept out of logs and to_dict (it is large and other peers' data)
     work_reports: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -96,8 +96,8 @@ class RoundRecord:
         return None if result is None else result.outcome
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("work_reports", None)
+        d = asdict(replace(self, work_reports={}))  # not deep-copied just to be dropped
+        d.pop("work_reports")
         d["peers"] = [p.to_dict() for p in self.peers]
         return d
 

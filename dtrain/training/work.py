@@ -16,7 +16,6 @@ commitments"). A fabricated page, a contribution that is not the mean of the pag
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 from dataclasses import dataclass, field
@@ -101,15 +100,6 @@ class WorkReport:
             raise WorkReportError("page counters must be strictly increasing")
         return cls(epoch=data["e"], pages=tuple(pages))
 
-    def digest(self) -> str:
-        """SHA-256 over the wire form (hex): what a validator names when it audits a report."""
-        h = hashlib.sha256()
-        h.update(str(self.epoch).encode())
-        for p in self.pages:
-            h.update(struct.pack("<qqqd", p.page, p.counter, p.samples, p.loss))
-            h.update(struct.pack(f"<{len(p.sketch)}d", *p.sketch))
-        return h.hexdigest()
-
 
 class WorkLog:
     """The miner's running record of the pages in its current accumulation.
@@ -144,7 +134,3 @@ class WorkLog:
 
     def report(self) -> WorkReport:
         return WorkReport(epoch=self.epoch, pages=tuple(self._pages))
-
-    @property
-    def samples(self) -> int:
-        return sum(p.samples for p in self._pages)
