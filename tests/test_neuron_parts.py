@@ -66,6 +66,38 @@ def test_state_hand_over_makes_a_lagging_replica_identical():
     assert params_digest(behind) == params_digest(ahead)
 
 
+# Fused AdamW keeps ``step`` on the parameters' device; dtrain's LAMB keeps it on the host, as
+# it creates it (dtrain/training/lamb.py), like torch's unfused kernels. Moments always follow
+# the parameters.
+@pytest.mark.parametrize("optimizer,step_device", [("adamw", "meta"), ("lamb", "cpu")])
+def test_a_caught_up_optimizer_keeps_its_state_on_the_parameters_device(optimizer, step_device):
+    """The peer's state arrives as CPU tensors; fused AdamW (used on CUDA) refuses a CPU
+    ``step`` beside parameters elsewhere. The meta device stands in for a GPU here: a
+    state tensor left on the CPU is as visible on it as on CUDA, and it runs on any machine."""
+    from dtrain.neurons.sync import export_state, import_state
+    from dtrain.training.models import create_model
+    from dtrain.training.trainer import Trainer, TrainerConfig
+
+    ahead = _trainer(0)
+    ahead.config.optimizer = optimizer
+    x = torch.randint(0, 300, (4, 32))
+    ahead.train_step(x)
+    meta, tensors = export_state(ahead, epoch=1)
+    assert meta["opt_step"] > 0
+    assert all(t.device.type == "cpu" for t in tensors)
+
+    model = create_model("tiny", vocab_size=300, n_positions=32, seed=0).to("meta")
+    model.tie_weights()  # moving to meta unties lm_head from the embedding; a GPU move does not
+    behind = Trainer(model, TrainerConfig(device="meta", optimizer=optimizer, fused=optimizer == "adamw" or None))
+    import_state(behind, meta, tensors)
+    placed = [(key, value.device) for p in behind.params for key, value in behind.optimizer.state[p].items()
+              if torch.is_tensor(value)]
+    assert {key for key, _ in placed} >= {"step", "exp_avg", "exp_avg_sq"}
+    assert {str(device) for key, device in placed if key != "step"} == {"meta"}, placed
+    assert {str(device) for key, device in placed if key == "step"} == {step_device}, placed
+    assert all(p.device.type == "meta" for p in behind.params)
+
+
 def test_state_for_another_model_is_refused():
     from dtrain.neurons.sync import export_state, import_state
     from dtrain.training.models import create_model

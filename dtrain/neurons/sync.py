@@ -63,6 +63,26 @@ def state_slice(trainer, offset: int, length: int) -> bytes:
     return bytes(out)
 
 
+def _load_moments(optimizer, params, blocks, opt_step: float) -> None:
+    """Give the optimizer the peer's moments (or none, before its first step).
+
+    Goes through ``optimizer.load_state_dict`` rather than writing ``optimizer.state``
+    by hand: torch then places every state tensor where this optimizer expects it. Fused
+    and capturable AdamW (fused is used on CUDA) need ``step`` on the parameters' device,
+    the plain kernels keep it where torch's policy says, and moments follow the
+    parameters' device and dtype. A hand-built CPU ``step`` next to CUDA parameters is
+    what the fused kernel refuses.
+    """
+    index = {id(p): i for i, p in enumerate(q for group in optimizer.param_groups for q in group["params"])}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    if blocks is not None:
+        for p, block in zip(params, blocks):
+            state[index[id(p)]] = {"step": torch.tensor(opt_step, dtype=torch.float32),
+                                   **{key: t.to(torch.float32).clone() for key, t in zip(MOMENTS, block[1:])}}
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
 @torch.no_grad()
 def import_state(trainer, meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> int:
     """Adopt a peer's state; returns its epoch. Raises ValueError when it does not fit this model."""
@@ -70,20 +90,17 @@ def import_state(trainer, meta: dict[str, Any], tensors: Sequence[torch.Tensor])
     if len(tensors) != per_param * len(trainer.params):
         raise ValueError(f"peer state has {len(tensors)} tensors, this model needs {per_param * len(trainer.params)}")
     opt_step = float(meta.get("opt_step", 0.0))
+    blocks = []
     for i, p in enumerate(trainer.params):
         block = tensors[i * per_param:(i + 1) * per_param]
         if any(tuple(t.shape) != tuple(p.shape) for t in block):
             raise ValueError("peer state does not match this model's parameter shapes")
         if not all(bool(torch.isfinite(t).all()) for t in block):
             raise ValueError("peer state holds non-finite values")
+        blocks.append(block)
+    for p, block in zip(trainer.params, blocks):
         p.copy_(block[0].to(p.device, p.dtype))
-        if opt_step > 0:
-            trainer.optimizer.state[p] = {
-                "step": torch.tensor(opt_step, dtype=torch.float32),
-                **{key: t.to(p.device, torch.float32).clone() for key, t in zip(MOMENTS, block[1:])},
-            }
-        else:
-            trainer.optimizer.state.pop(p, None)
+    _load_moments(trainer.optimizer, trainer.params, blocks if opt_step > 0 else None, opt_step)
     sched = trainer.scheduler
     sched.last_epoch = int(meta.get("sched_epoch", 0))
     # LambdaLR sets lr only when stepped; put the group lrs where the peer's schedule is.
