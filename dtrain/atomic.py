@@ -25,6 +25,18 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """fsync every file under ``folder`` and the folder itself, before it is renamed into
+    place: a rename can reach the disk before the files' data does, and a power loss would
+    then leave a complete-looking folder of truncated files."""
+    folder = Path(folder)
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(folder)
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

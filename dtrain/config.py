@@ -83,19 +83,29 @@ class ModelConfig:
     preset: str = _f("gpt2-250m", "Model preset: tiny, gpt2-124m, gpt2-250m, gpt2-500m, gpt2-1b.",
                      choices=("tiny", "gpt2-124m", "gpt2-250m", "gpt2-500m", "gpt2-1b"), swarm=True)
     hub_id: str = _f("", "Load initial weights with from_pretrained from this Hub id (empty: fresh init).")
+    revision: str = _f("", "Hub revision of hub_id (branch, tag or commit; empty: the default branch).",
+                       swarm=True)
     run_id: str = _f("sn38", "Training run id; part of every push tag and of the data assignment.", swarm=True)
     seq_len: int = _f(1024, "Tokens per training sequence.", min=8, max=65536, swarm=True)
 
 
 @dataclass
 class DataConfig:
-    source: str = _f("fineweb", "fineweb (streamed from the Hub) or local (text files).",
+    source: str = _f("fineweb", "fineweb (read from the Hub) or local (text or parquet files).",
                      choices=("fineweb", "local"), swarm=True)
     dataset: str = _f("HuggingFaceFW/fineweb", "Hub dataset id for source = fineweb.", swarm=True)
     dataset_config: str = _f("sample-350BT", "Dataset configuration name.", swarm=True)
-    local_path: str = _f("", "Text file or directory for source = local (empty: the shipped corpus).")
-    tokenizer: str = _f("distilgpt2", "Tokenizer name or path.", swarm=True)
-    allow_tokenizer_fallback: bool = _f(True, "Use the shipped byte-level BPE when the tokenizer can't be loaded.")
+    dataset_revision: str = _f("", "Hub dataset revision (branch, tag or commit; empty: the default branch). "
+                               "Pin a commit so every peer reads the same files.", swarm=True)
+    local_path: str = _f("", "Text or parquet file, or a directory of *.txt or *.parquet files, for "
+                         "source = local (empty: the shipped corpus).")
+    tokenizer: str = _f("distilgpt2", "Tokenizer: a Hub id, a directory written by save_pretrained, or shipped "
+                        "(the byte-level BPE shipped with dtrain; the sandbox uses it).", swarm=True)
+    tokenizer_revision: str = _f("", "Hub revision of the tokenizer (branch, tag or commit; empty: the default "
+                                 "branch). Pin a commit so every peer tokenises alike.", swarm=True)
+    allow_tokenizer_fallback: bool = _f(False, "Train with the shipped byte-level BPE when the tokenizer can't be "
+                                        "loaded. Off: a missing tokenizer stops the node (the sandbox always "
+                                        "allows it); on a real network only a swarm that all falls back agrees.")
     page_sequences: int = _f(8, "Sequences per data page (the unit of data assignment).", min=1, max=4096,
                              swarm=True)
 
@@ -133,7 +143,10 @@ class ValidatorConfig:
     audit_pages: int = _f(1, "Committed pages of each miner's round contribution the validator recomputes "
                           "(chosen after the miner committed; docs/scoring.md).", min=0, max=1024)
     recompute_fraction: float = _f(0.5, "Fraction of reported micro-batches the validator recomputes.", min=0.0, max=1.0)
-    round_interval_s: float = _f(60.0, "Seconds between validation rounds.", min=0.0)
+    round_interval_s: float = _f(60.0, "Rounds start at multiples of this many seconds of UNIX time and begin "
+                                 "their all-reduce half-way through: a shared clock, so independent validators "
+                                 "run rounds together. Every validator of a subnet must use the same value "
+                                 "(docs/protocol.md).", min=0.0)
     ema_alpha: float = _f(0.1, "Weight of the newest score in the moving average (0 < alpha <= 1).",
                           min=0.0, max=1.0)
     weight_gradient: float = _f(0.30, "Share of the gradient score in the combined score.", min=0.0)

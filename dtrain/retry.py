@@ -43,7 +43,9 @@ class RetryPolicy:
 
     def delay(self, failures: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after the ``failures``-th failed attempt (1-based)."""
-        ceiling = min(self.max_delay, self.base_delay * 2 ** max(0, failures - 1))
+        # the exponent is capped so that a caller retrying for hours (a neuron waiting for its
+        # data) never overflows a float; 2**60 is past any max_delay anyway
+        ceiling = min(self.max_delay, self.base_delay * 2 ** min(60, max(0, failures - 1)))
         if self.jitter:
             ceiling *= 1.0 - self.jitter * (rng or random).random()
         return max(0.0, ceiling)

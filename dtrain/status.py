@@ -104,6 +104,21 @@ def _validator_state(local_dirs: list[Path], doc: dict):
     return None
 
 
+def _local_validator_states(local_dirs: list[Path]) -> dict[str, Any]:
+    """Hotkey prefix (as in the ``validator-<hotkey[:12]>`` directory) -> its state, for every
+    readable validator state on this machine (a sandbox may run several)."""
+    from dtrain.validation.state import StateError, load_state
+
+    out: dict[str, Any] = {}
+    for d in local_dirs:
+        for path in sorted(d.glob("validator-*/state.json")):
+            try:
+                out.setdefault(path.parent.name[len("validator-"):], load_state(path))
+            except StateError:
+                continue  # reported once by _validator_state
+    return out
+
+
 def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]:
     """The report; never carries NaN/inf (they become None), whatever miners sent."""
     return finite_or_none(_collect(cfg, probe_timeout))
@@ -183,7 +198,19 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
             "weight": consensus.get(n.uid, 0.0),
             "score": scores.get(n.uid), "validator_permit": False,
         })
-    doc["validators"] = [{"uid": v.uid, "hotkey": v.hotkey, "stake": v.stake} for v in validators]
+    local_states = _local_validator_states(local_dirs)
+    doc["validators"] = []
+    for v in validators:
+        # There is no master validator: each sets its own weights, and the chain's consensus
+        # (the "weight" column of the miners) is their stake-weighted mean.
+        set_weights = {str(uid): w for uid, w in sorted(weights.get(v.uid, {}).items())}
+        row = {"uid": v.uid, "hotkey": v.hotkey, "stake": v.stake, "weights": set_weights,
+               "rounds": None, "last_round": None}
+        mine = local_states.get(v.hotkey[:12]) if v.hotkey else None
+        if mine is not None:  # this machine runs that validator: what its state file says
+            last = _dicts(mine.recent_rounds)[-1:] or [{}]
+            row["rounds"], row["last_round"] = mine.round_counter, last[0].get("status")
+        doc["validators"].append(row)
     epochs = [m["epoch"] for m in doc["miners"] if isinstance(m["epoch"], int)]
     if epochs:
         top = max(epochs)

@@ -40,3 +40,40 @@ def clean_env(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     return tmp_path
+
+
+def drive_prompts(argv: list[str], answers: list[str], env: dict | None = None) -> tuple[int, str]:
+    """Run ``dtrain argv`` on a real pseudo-terminal and answer its prompts (text ending in
+    ':') in order, as an operator would; (exit code, transcript). Unasked answers are left."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the CLI on a TTY
+        os.execvpe(sys.executable, [sys.executable, "-m", "dtrain", *argv], {**os.environ, "TERM": "dumb",
+                                                                              **(env or {})})
+    pending = iter(answers)
+    transcript, answered_at = b"", 0
+    while True:
+        ready, _, _ = select.select([fd], [], [], 30)
+        if not ready:
+            break
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        transcript += chunk
+        # A new prompt: text since the last answer (not just the echo of an empty answer) ending in ':'.
+        fresh = transcript[answered_at:].strip()
+        if fresh and fresh.endswith(b":"):
+            answer = next(pending, None)
+            if answer is None:
+                os.kill(pid, 9)
+                break
+            os.write(fd, answer.encode() + b"\n")
+            transcript += b"\n"
+            answered_at = len(transcript)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), transcript.decode(errors="replace")

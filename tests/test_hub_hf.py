@@ -34,9 +34,12 @@ _ROUTES = [
     ("tag", "POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tag/(?P<rev>[^/]+)$")),
     ("tree", "GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(/.*)?$")),
     ("info", "GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(/revision/(?P<rev>[^/]+))?$")),
+    ("validate", "POST", re.compile(r"^/api/validate-yaml$")),
     ("resolve", "GET", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")),
     ("resolve", "HEAD", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")),
 ]
+
+_LICENSES = {"apache-2.0", "mit", "openrail", "cc-by-4.0", "other"}  # a few of the Hub's licence ids
 
 
 class FakeHub:
@@ -45,6 +48,7 @@ class FakeHub:
         self.repos: dict[str, dict] = {}  # repo -> {"files": {path: bytes}, "head": sha, "tags": {name: sha}}
         self.faults: dict[str, list[str]] = defaultdict(list)
         self.calls: Counter[str] = Counter()
+        self.validated: list[str] = []  # README.md texts the client asked the Hub to validate
         self.lock = threading.Lock()
         hub = self
 
@@ -162,6 +166,21 @@ class FakeHub:
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)
+
+    def _validate(self, h, m, body):
+        """Like the Hub: README.md front matter must be a YAML mapping with a known licence."""
+        import yaml
+
+        content = json.loads(body)["content"]
+        self.validated.append(content)
+        errors = []
+        if content.startswith("---\n"):
+            meta = yaml.safe_load(content.split("\n---", 2)[0][4:])
+            if not isinstance(meta, dict):
+                errors.append({"message": "metadata must be a mapping"})
+            elif "license" in meta and meta["license"] not in _LICENSES:
+                errors.append({"message": f'"license" must be one of [{", ".join(sorted(_LICENSES))}]'})
+        h._json(400 if errors else 200, {"errors": errors, "warnings": []})
 
     def _refs(self, h, m, body):
         r = self._repo(h, m["repo"])
@@ -354,3 +373,41 @@ def test_fetch_tag_through_snapshot_download(hub, ckpt, tmp_path, monkeypatch):
     assert (out / "sub" / "optimizer.bin").exists()
     with pytest.raises(StoreNotFoundError):
         store.fetch("run1.9.9", tmp_path / "dl2")
+
+
+def test_a_model_repo_folder_uploads_whole_and_loads_back(hub, tmp_path, monkeypatch):
+    """What miners push (dtrain.neurons.publish) goes up as one folder, tokenizer and card
+    included, and a download of the tag loads with the Auto classes on its own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dtrain.hub.model_card import CardFacts
+    from dtrain.neurons.publish import write_model_repo
+    from dtrain.training.models import create_model
+    from dtrain.training.tokenizer import load_fallback_tokenizer
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    tok = load_fallback_tokenizer()
+    model = create_model("tiny", vocab_size=len(tok), n_positions=32, eos_token_id=tok.eos_token_id)
+    folder = write_model_repo(tmp_path / "repo", model, tok, CardFacts(
+        tag="run1.2.2", run_id="run1", epoch=2, inner_step=2, repo_id="alice/dtrain-run", contributors=2))
+    store = _store(hub, [])
+    res = store.push(folder, "run1.2.2")
+    assert hub.validated == [(folder / "README.md").read_text()]  # the Hub's metadata check passed
+    uploaded = set(hub.repos["alice/dtrain-run"]["snapshots"][res.revision])
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json", "README.md"} <= uploaded
+    assert uploaded == {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    out = store.fetch("run1.2.2", tmp_path / "dl")
+    loaded = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert len(loaded) == len(tok) and loaded.decode(loaded("a round trip")["input_ids"]) == "a round trip"
+    assert AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).config.vocab_size == len(tok)
+    assert "alice/dtrain-run" in (out / "README.md").read_text()
+
+
+def test_a_card_the_hub_refuses_does_not_hold_up_the_weights(hub, ckpt, caplog):
+    (ckpt / "README.md").write_text('---\nlicense: "not-a-licence"\n---\n# card\n')
+    res = _store(hub, []).push(ckpt, "run1.5.0")
+    files = hub.repos["alice/dtrain-run"]["snapshots"][res.revision]
+    assert "README.md" not in files and "model.safetensors" in files
+    assert hub.repos["alice/dtrain-run"]["tags"]["run1.5.0"] == res.revision
+    assert any("rejected the model card" in r.getMessage() and "license" in r.getMessage() for r in caplog.records)

@@ -58,6 +58,16 @@ def test_push_to_loopback_hub_survives_failures(checkpoint, tmp_path):
         repo = hub.repos["alice/sn38"]
         assert "run1.4.1" in repo["tags"]
         assert "config.json" in repo["files"] and any(f.endswith(".safetensors") for f in repo["files"])
+        # a complete Hugging Face repo: the tokenizer (rebuilt from the config: this checkpoint
+        # has no publishing info) and a card that says what it does not know
+        assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"} <= set(repo["files"])
+        from huggingface_hub import ModelCard
+
+        card = ModelCard(repo["files"]["README.md"].decode())
+        assert card.data.to_dict()["dtrain"]["tag"] == "run1.4.1"
+        assert card.data.to_dict()["dtrain"]["contributors"] is None
+        assert "| Contributing miners in the last round | unknown |" in card.text
+        assert 'repo, revision = "alice/sn38", "run1.4.1"' in card.text
 
 
 def test_push_with_a_bad_token_fails_clearly(checkpoint, tmp_path):

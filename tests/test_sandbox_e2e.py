@@ -104,6 +104,15 @@ def test_push_command_uploads_a_sandbox_checkpoint(sandbox, tmp_path):
 
     model = GPT2LMHeadModel.from_pretrained(str(store / "tags" / "sandbox.2.2"))
     assert model.config.n_layer == 2
+    # The same complete repo as the miners' own pushes, from the tokenizer and round facts the
+    # miner saved with its checkpoint (offline: HF_HUB_OFFLINE above).
+    tag_dir = store / "tags" / "sandbox.2.2"
+    assert {"tokenizer.json", "tokenizer_config.json", "README.md"} <= {p.name for p in tag_dir.iterdir()}
+    from huggingface_hub import ModelCard
+
+    facts = ModelCard((tag_dir / "README.md").read_text()).data.to_dict()["dtrain"]
+    assert facts["epoch"] == 2 and facts["tag"] == "sandbox.2.2"
+    assert 1 <= facts["contributors"] <= 2 and facts["last_loss"] > 0 and facts["tokens_seen"] > 0
 
 
 def test_status_without_a_sandbox_names_the_problem(tmp_path):
@@ -111,3 +120,44 @@ def test_status_without_a_sandbox_names_the_problem(tmp_path):
     assert result.returncode == 0
     doc = json.loads(result.stdout)
     assert "does not exist" in doc["chain_error"]
+
+
+def test_newest_tag_loads_as_a_hugging_face_model_and_generates(sandbox):
+    """The pushed model is usable by anyone: Auto classes and pipeline from the folder alone."""
+    import math
+
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    from dtrain.hub.local import LocalStore
+
+    root, doc, _ = sandbox
+    tag = LocalStore(root / "store").latest()
+    assert tag == "sandbox.2.2"
+    tag_dir = root / "store" / "tags" / tag
+    model = AutoModelForCausalLM.from_pretrained(str(tag_dir), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(tag_dir), local_files_only=True)
+    assert len(tok) == model.config.vocab_size > 1000  # not the empty vocabulary of a bare GPT2 config
+    sentence = "The history of the world is a long story."
+    assert tok.decode(tok(sentence)["input_ids"]) == sentence
+    assert tok.model_max_length == model.config.n_positions == 128
+    from tests.test_hub_model_repo import generation_complaints
+
+    with generation_complaints() as complaints:
+        generate = pipeline("text-generation", model=str(tag_dir), tokenizer=str(tag_dir))
+        out = generate("The history of", max_new_tokens=8, do_sample=False)
+    assert complaints == []  # no guessing of pad ids or lengths
+    assert out[0]["generated_text"].startswith("The history of")
+    assert len(tok(out[0]["generated_text"])["input_ids"]) > len(tok("The history of")["input_ids"])
+
+    card = ModelCard((tag_dir / "README.md").read_text())
+    meta = card.data.to_dict()
+    assert meta["license"] == "mit" and meta["pipeline_tag"] == "text-generation"
+    assert meta["library_name"] == "transformers" and {"dtrain", "bittensor", "subnet-38"} <= set(meta["tags"])
+    facts = meta["dtrain"]
+    assert (facts["run_id"], facts["epoch"], facts["tag"], facts["preset"]) == ("sandbox", 2, tag, "tiny")
+    assert 1 <= facts["contributors"] <= 2  # the miners the last round averaged
+    assert math.isfinite(facts["last_loss"]) and facts["last_loss"] > 0
+    assert facts["tokens_seen"] > 0 and facts["parameters"] == model.num_parameters()
+    assert facts["data"].startswith("local text")
+    assert f'repo = "{tag_dir}"' in card.text and "unknown" not in card.text.split("Facts not recorded")[0]

@@ -68,3 +68,15 @@ def test_connects_and_progress_tracker():
         assert trackers[2].is_behind(local_epoch=2) and not trackers[0].is_behind(local_epoch=3)
         assert len(trackers[0].peers()) == 3  # the junk record is ignored
         assert g.to_dict()["ready"] is True
+
+
+def test_a_node_that_started_alone_joins_when_a_peer_appears(tmp_path):
+    """The re-dial behind ensure_connected: the first node of a swarm starts isolated and
+    must reach a committed peer that comes up later."""
+    with SwarmNode(NodeConfig(data_dir=str(tmp_path / "a"), host_maddrs=LOOP)) as first:
+        with SwarmNode(NodeConfig(data_dir=str(tmp_path / "b"), host_maddrs=LOOP)) as late:
+            assert late.num_known_peers() == 0
+            late.config.initial_peers = [m for m in first.visible_maddrs() if "/127.0.0.1/" in m]
+            assert late.config.initial_peers
+            assert late.try_bootstrap_once() == 1
+            assert late.num_known_peers() >= 1

@@ -123,17 +123,21 @@ def test_missing_files_and_wrong_field_are_clear_errors(tmp_path, tokenizer):
         PageReader(src, tokenizer, PageSpec(seq_len=8, page_sequences=1, docs_per_page=2)).read_page(0)
 
 
-def test_unreachable_hub_dataset_names_the_dataset():
-    # HF_HUB_OFFLINE makes the real load_dataset path fail at once instead of retrying
+@pytest.mark.parametrize("opener", ["open_stream(src)", "resolve_data_files(src)"])
+def test_an_offline_hub_dataset_names_the_dataset_the_setting_and_the_local_way_out(opener):
+    # HF_HUB_OFFLINE makes the real datasets path fail at once instead of retrying
     code = (
-        "from dtrain.training.data import DataSource, open_stream\n"
+        "from dtrain.training.data import DataSource, open_stream, resolve_data_files\n"
         "from dtrain.training.errors import DataSourceError\n"
-        "try:\n    open_stream(DataSource(path='no-such-org/no-such-dataset', name='x'))\n"
-        "except DataSourceError as e:\n    print('ERR', e)\n"
+        "src = DataSource(path='no-such-org/no-such-dataset', name='x')\n"
+        f"try:\n    {opener}\n"
+        "except DataSourceError as e:\n    print('ERR', e.transient, e)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "ERR could not open dataset no-such-org/no-such-dataset (x)" in out.stdout, out.stdout + out.stderr
+    assert "ERR False could not open the dataset data.dataset = 'no-such-org/no-such-dataset' (config 'x')" \
+        in out.stdout, out.stdout + out.stderr
+    assert "HF_HUB_OFFLINE" in out.stdout and 'data.source = "local"' in out.stdout
 
 
 _REBUILD = """

@@ -148,3 +148,40 @@ def test_probation_survives_a_restart(tmp_path):
     state = ValidatorState(probation={"5Cheat": 17})
     save_state(tmp_path / "state.json", state)
     assert load_state(tmp_path / "state.json").probation == {"5Cheat": 17}
+
+
+def test_a_round_overtaken_by_another_validators_round_is_not_held_against_miners():
+    from dtrain.validation.verification import overtaken_by
+
+    # no group of our own, and most asked miners answered from the next epoch: catch up to it
+    assert overtaken_by(False, 4, [5, 5, 5], asked=3) == 5
+    assert overtaken_by(False, 4, [5, 5, 4], asked=3) == 5
+    # a round that averaged is scored as usual, whatever the answers say
+    assert overtaken_by(True, 4, [5, 5, 5], asked=3) is None
+    # the majority is of the miners asked: one answer among silent miners cannot void a round
+    assert overtaken_by(False, 4, [5], asked=3) is None
+    assert overtaken_by(False, 4, [5, 4, 4], asked=3) is None
+    assert overtaken_by(False, 4, [5, 4], asked=2) is None
+    assert overtaken_by(False, 4, [], asked=0) is None
+    # only the epoch the missed round produced counts: made-up far epochs void nothing
+    assert overtaken_by(False, 4, [10**9, 10**9, 10**9], asked=3) is None
+    assert overtaken_by(False, 4, [4, 4, 3], asked=3) is None
+
+
+def test_validators_start_rounds_on_a_shared_clock():
+    from dtrain.neurons.deadlines import next_round_start
+
+    # two validators that finished their last rounds at different moments meet at one boundary
+    assert next_round_start(1_000_003.2, 60.0) == next_round_start(1_000_019.9, 60.0) == 1_000_020.0
+    assert next_round_start(120.0, 60.0) == 180.0  # strictly after now: never the boundary just passed
+    assert next_round_start(5.5, 2.0) == 6.0
+    assert next_round_start(17.25, 0.0) == 17.25  # no interval: at once
+
+
+def test_validators_start_the_all_reduce_at_one_point_of_the_slot():
+    from dtrain.neurons.deadlines import allreduce_start
+
+    # however long each validator's checks took, both wait for the same moment
+    assert allreduce_start(1_000_020.0, 60.0) == 1_000_050.0
+    assert allreduce_start(6.0, 2.0) == 7.0
+    assert allreduce_start(6.0, 0.0) == 6.0

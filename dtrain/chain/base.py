@@ -11,7 +11,50 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
+from dtrain import __version__
 from dtrain.chain.commitment import MinerCommitment
+
+
+def spec_version(version: str) -> int:
+    """``major*10000 + minor*100 + patch``: the integer version dtrain sends as ``version_key``.
+
+    Bittensor subnet templates use ``1000*major + 10*minor + patch``, which stops growing
+    monotonically at patch 10 (0.1.10 and 0.2.0 both give 20); two digits per part keep
+    every release above the one before (patch and minor below 100). Pre-release suffixes
+    are ignored: ``"1.2.3rc1"`` → 10203. bittensor 11 itself defines no spec version."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = ""
+        for char in piece:
+            if not char.isdigit():
+                break
+            digits += char
+        parts.append(int(digits or 0))
+    major, minor, patch = (parts + [0, 0, 0])[:3]
+    return 10000 * major + 100 * minor + min(patch, 99)
+
+
+# dtrain's own weights version (0.1.0 → 100).
+SPEC_VERSION = spec_version(__version__)
+
+
+def choose_version_key(required: Optional[int]) -> int:
+    """The ``version_key`` dtrain sends with ``set_weights``: its own :data:`SPEC_VERSION`.
+
+    The chain refuses weights whose ``version_key`` is below the subnet's
+    ``weights_version`` hyperparameter (``WeightsVersionKey``; 0 disables the check) with
+    ``IncorrectWeightVersionKey``. That is the subnet owner's lever to shut out validators
+    running outdated code, so dtrain never echoes a higher requirement back: when the
+    subnet asks for more than this dtrain is, :class:`OutdatedValidator` says to upgrade
+    (before an extrinsic the chain would refuse anyway). ``required`` None (the
+    hyperparameter could not be read) or 0 sends :data:`SPEC_VERSION`.
+    """
+    if required is not None and required > SPEC_VERSION:
+        raise OutdatedValidator(
+            f"the subnet requires weights_version {required}, newer than this dtrain "
+            f"({__version__}, spec version {SPEC_VERSION}): upgrade dtrain (pip install -U dtrain). "
+            "The chain refuses weights from older validators.")
+    return SPEC_VERSION
 
 
 class ChainError(Exception):
@@ -20,6 +63,20 @@ class ChainError(Exception):
 
 class ChainUnavailable(ChainError):
     """The chain could not be reached (after bounded retries)."""
+
+
+class OutdatedValidator(ChainError):
+    """The subnet's ``weights_version`` is newer than this dtrain: upgrade to set weights."""
+
+
+class ChainClientBug(Exception):
+    """The chain SDK raised a programming error (TypeError, AttributeError, ...).
+
+    Deliberately *not* a :class:`ChainError`: callers that ride out chain outages
+    (catching ``ChainError``) must not swallow it, and the retry layer must not retry
+    it, because it is a bug in dtrain or an SDK version dtrain does not support, and
+    waiting cannot fix it. The original exception is chained as ``__cause__``.
+    """
 
 
 class UnknownNetwork(ChainError):
@@ -158,9 +215,13 @@ class Chain(Protocol):
         Returns False without writing when the chain already holds it."""
         ...
 
-    def set_weights(self, uids: Sequence[int], weights: Sequence[float]) -> None:
+    def set_weights(
+        self, uids: Sequence[int], weights: Sequence[float], *, version_key: Optional[int] = None
+    ) -> None:
         """Set this validator's weights; retried on transient failure.
-        Raises RateLimited / NotPermitted / NotRegistered without retrying."""
+        ``version_key`` None: the backend picks it (:func:`choose_version_key` over the
+        subnet's ``weights_version``). Raises RateLimited / NotPermitted / NotRegistered
+        without retrying."""
         ...
 
     def weights(self) -> dict[int, dict[int, float]]:

@@ -18,6 +18,14 @@ VERSION = 1
 # Upper bound on what we are willing to parse; a chain field is far smaller,
 # so anything bigger is hostile or broken.
 MAX_COMMITMENT_BYTES = 1024
+# What subtensor can hold, and so the most a writer may publish: the Commitments pallet
+# stores ``CommitmentInfo { fields: BoundedVec<Data, MaxFields> }`` with
+# ``Data::Raw0..Raw128`` (at most 128 bytes per field) and the runtime's
+# ``MaxCommitFieldsInner = 3`` (pallet constant ``Commitments.MaxFields``); more fields
+# fail on chain with ``TooManyFieldsInCommitmentInfo``. A typical record is ~130 bytes.
+RAW_FIELD_BYTES = 128
+MAX_FIELDS = 3
+MAX_ONCHAIN_BYTES = RAW_FIELD_BYTES * MAX_FIELDS
 # libp2p peer ids are base58btc (no 0, O, I, l); "12D3KooW..." is 52 chars,
 # "Qm..." 46. Bound loosely but keep the alphabet strict.
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")
@@ -52,6 +60,15 @@ class MinerCommitment:
         _check_repo(self.repo)
         if type(self.v) is not int or self.v != VERSION:
             raise CommitmentError(f"unsupported commitment version {self.v!r}")
+        size = len(self._encode().encode())
+        if size > MAX_ONCHAIN_BYTES:
+            # Refused when the record is made (a miner's startup), not by the chain after
+            # a signed extrinsic: the fields are each valid, but together too long.
+            raise CommitmentError(
+                f"commitment is {size} bytes; the chain stores at most {MAX_FIELDS} fields of "
+                f"{RAW_FIELD_BYTES} bytes ({MAX_ONCHAIN_BYTES} bytes): shorten the repo "
+                f"({len(self.repo)} chars) or the API host ({len(self.api)} chars)"
+            )
 
     @property
     def host(self) -> str:
@@ -66,10 +83,10 @@ class MinerCommitment:
 
     def to_json(self) -> str:
         """Compact, key-ordered JSON: the exact string committed on chain."""
-        text = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
-        if len(text.encode()) > MAX_COMMITMENT_BYTES:
-            raise CommitmentError(f"commitment is larger than {MAX_COMMITMENT_BYTES} bytes")
-        return text
+        return self._encode()  # at most MAX_ONCHAIN_BYTES: checked on construction
+
+    def _encode(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
 
 
 def split_api(api: str) -> tuple[str, int]:

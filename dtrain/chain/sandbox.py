@@ -34,6 +34,7 @@ from dtrain.chain.base import (
     RateLimited,
     SandboxMissing,
     WeightsStatus,
+    choose_version_key,
 )
 from dtrain.chain.commitment import (
     MAX_COMMITMENT_BYTES,
@@ -43,6 +44,13 @@ from dtrain.chain.commitment import (
 from dtrain.chain.retry import RetryPolicy, retry_call
 
 DB_NAME = "chain.sqlite"
+# The version_key each validator last sent with set_weights, so tests and `status` can
+# see what a real chain would have received. Also created on open: sandboxes made before
+# this table existed keep working.
+_VERSION_KEYS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS weights_version_keys ("
+    "uid INTEGER PRIMARY KEY, version_key INTEGER NOT NULL, block INTEGER NOT NULL)"
+)
 SCHEMA_VERSION = 1
 DEFAULT_BLOCK_TIME = 1.0
 DEFAULT_WEIGHTS_RATE_LIMIT = 5
@@ -71,7 +79,7 @@ CREATE TABLE IF NOT EXISTS weights (
     PRIMARY KEY (validator_uid, target_uid)
 );
 CREATE TABLE IF NOT EXISTS last_update (uid INTEGER PRIMARY KEY, block INTEGER NOT NULL);
-"""
+""" + "\n" + _VERSION_KEYS_TABLE
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -94,6 +102,7 @@ def create(
     netuid: int = 38,
     block_time: float = DEFAULT_BLOCK_TIME,
     weights_rate_limit: int = DEFAULT_WEIGHTS_RATE_LIMIT,
+    weights_version: int = 0,
     exist_ok: bool = True,
 ) -> Path:
     """Create (or reuse) a sandbox chain in ``directory``; returns the db path.
@@ -105,6 +114,8 @@ def create(
         raise ValueError("block_time must be a positive number of seconds")
     if weights_rate_limit < 0:
         raise ValueError("weights_rate_limit must be >= 0")
+    if weights_version < 0:
+        raise ValueError("weights_version must be >= 0")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     path = root / DB_NAME
@@ -121,6 +132,9 @@ def create(
             "block_time": repr(float(block_time)),
             "offset": "0",
             "weights_rate_limit": str(int(weights_rate_limit)),
+            # The subnet's weights_version hyperparameter: set_weights with a lower
+            # version_key is refused, as on subtensor (0 disables the check).
+            "weights_version": str(int(weights_version)),
             "netuid": str(int(netuid)),
             "faults": "{}",
         }
@@ -168,6 +182,7 @@ class SandboxChain:
         self._clock = clock
         self._lock = threading.Lock()
         self._conn = _connect(path)
+        self._conn.execute(_VERSION_KEYS_TABLE)
         stored = int(self._meta("netuid"))
         if netuid is not None and int(netuid) != stored:
             raise ChainError(f"sandbox at {root} runs netuid {stored}, not {netuid}")
@@ -175,11 +190,17 @@ class SandboxChain:
 
     # -- plumbing -----------------------------------------------------------------
 
-    def _meta(self, key: str) -> str:
+    def _meta(self, key: str, default: Optional[str] = None) -> str:
         row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         if row is None:
+            if default is not None:
+                return default
             raise ChainError(f"sandbox database {self.path} is missing meta key {key!r}")
         return row[0]
+
+    def _weights_version(self) -> int:
+        # Sandboxes created before the key existed read as 0 (check disabled).
+        return int(self._meta("weights_version", "0"))
 
     def _run(self, what: str, fn: Callable[[sqlite3.Connection], Any], *, write: bool = False) -> Any:
         """One transaction, with health tracking and bounded retry on lock contention."""
@@ -279,7 +300,11 @@ class SandboxChain:
 
         self._run("commit", write, write=True)
 
-    def set_weights(self, uids: Sequence[int], weights: Sequence[float]) -> None:
+    def set_weights(
+        self, uids: Sequence[int], weights: Sequence[float], *, version_key: Optional[int] = None
+    ) -> None:
+        """Like subtensor's ``set_weights``; ``version_key`` None picks it the way the
+        bittensor backend does (``choose_version_key`` over ``weights_version``)."""
         hotkey = self._require_hotkey()
         pairs = _normalise(uids, weights)
 
@@ -294,6 +319,14 @@ class SandboxChain:
             permit = conn.execute("SELECT validator_permit FROM neurons WHERE uid = ?", (uid,)).fetchone()[0]
             if not permit:
                 raise NotPermitted(f"uid {uid} has no validator permit")
+            required = self._weights_version()
+            key = choose_version_key(required) if version_key is None else int(version_key)
+            if required and key < required:
+                # subtensor's IncorrectWeightVersionKey; not retried (a ChainError).
+                raise ChainError(
+                    f"version_key {key} is older than netuid {self.netuid}'s weights_version "
+                    f"{required} (IncorrectWeightVersionKey)"
+                )
             known = {row[0] for row in conn.execute("SELECT uid FROM neurons")}
             unknown = sorted(u for u, _ in pairs if u not in known)
             if unknown:
@@ -317,6 +350,12 @@ class SandboxChain:
                 "INSERT INTO last_update(uid, block) VALUES (?, ?) "
                 "ON CONFLICT(uid) DO UPDATE SET block = excluded.block",
                 (uid, now),
+            )
+            conn.execute(
+                "INSERT INTO weights_version_keys(uid, version_key, block) VALUES (?, ?, ?) "
+                "ON CONFLICT(uid) DO UPDATE SET version_key = excluded.version_key, "
+                "block = excluded.block",
+                (uid, key, now),
             )
 
         # _run already retries ChainUnavailable with self.retry.
@@ -350,6 +389,18 @@ class SandboxChain:
             )
 
         return self._run("weights_status", read)
+
+    def weights_version(self) -> int:
+        """The sandbox subnet's ``weights_version`` hyperparameter."""
+        return self._run("weights_version", lambda c: self._weights_version())
+
+    def version_keys(self) -> dict[int, int]:
+        """``{validator_uid: version_key}`` of each validator's last accepted set_weights."""
+        rows = self._run(
+            "version_keys",
+            lambda c: c.execute("SELECT uid, version_key FROM weights_version_keys").fetchall(),
+        )
+        return {int(uid): int(key) for uid, key in rows}
 
     def uid(self, hotkey: Optional[str] = None) -> Optional[int]:
         key = hotkey or self._require_hotkey()
@@ -412,6 +463,21 @@ class SandboxChain:
 
         return self._run("advance", write, write=True)
 
+    def set_weights_version(self, value: int) -> None:
+        """Set the subnet's ``weights_version`` (what a subnet owner's
+        ``sudo_set_weights_version_key`` does on subtensor)."""
+        if int(value) < 0:
+            raise ValueError("weights_version must be >= 0")
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO meta(key, value) VALUES ('weights_version', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (str(int(value)),),
+            )
+
+        self._run("set_weights_version", write, write=True)
+
     def inject_faults(self, op: str, count: int) -> None:
         """Make the next ``count`` calls of ``op`` (only "set_weights" today)
         fail as if the chain were unreachable, in whichever process makes them.
@@ -436,6 +502,7 @@ class SandboxChain:
                 "block": self._block_at(conn),
                 "block_time": float(self._meta("block_time")),
                 "weights_rate_limit": int(self._meta("weights_rate_limit")),
+                "weights_version": self._weights_version(),
                 "genesis": float(self._meta("genesis")),
             }
 

@@ -56,6 +56,16 @@ LogFormatOpt = Annotated[Optional[str], typer.Option("--log-format", help="Plain
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout and nothing else there.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda or cuda:N (training.device).")]
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", help="Model preset.", autocompletion=_complete_preset)]
+ExternalAddressOpt = Annotated[Optional[str], typer.Option(
+    "--external-address", metavar="HOST:PORT",
+    help="Public host:port validators dial for the miner API, committed on chain (api.external_address).")]
+AnnounceMaddrOpt = Annotated[Optional[list[str]], typer.Option(
+    "--announce-maddr", metavar="MADDR",
+    help="Public multiaddr peers dial for all-reduce, e.g. /ip4/203.0.113.7/tcp/31337 (repeatable; "
+         "allreduce.announce_maddrs).")]
+HostMaddrOpt = Annotated[Optional[list[str]], typer.Option(
+    "--host-maddr", metavar="MADDR",
+    help="Multiaddr hivemind listens on, e.g. /ip4/0.0.0.0/tcp/31337 (repeatable; allreduce.host_maddrs).")]
 
 
 def chain_overrides(network: str | None, netuid: int | None, wallet: str | None, hotkey: str | None,
@@ -68,6 +78,65 @@ def chain_overrides(network: str | None, netuid: int | None, wallet: str | None,
         "wallet.path": wallet_path,
         "chain.sandbox_dir": str(sandbox_dir) if sandbox_dir is not None else None,
     }
+
+
+def address_overrides(external_address: str | None = None, announce_maddrs: list[str] | None = None,
+                      host_maddrs: list[str] | None = None) -> dict[str, Any]:
+    """Config keys of the reachability flags, each value checked so a typo is named against its flag."""
+    from dtrain.swarm.reachability import (
+        AddressError, validate_announce_maddr, validate_external_address, validate_host_maddr,
+    )
+
+    def checked(flag: str, key: str, check, values):
+        try:
+            return [check(v) for v in values]
+        except AddressError as exc:
+            raise ConfigError(str(exc), source=f"flag {flag}", key=key) from None
+
+    return {
+        "api.external_address": checked("--external-address", "api.external_address", validate_external_address,
+                                        [external_address])[0] if external_address is not None else None,
+        "allreduce.announce_maddrs": checked("--announce-maddr", "allreduce.announce_maddrs",
+                                             validate_announce_maddr, announce_maddrs) if announce_maddrs else None,
+        "allreduce.host_maddrs": checked("--host-maddr", "allreduce.host_maddrs", validate_host_maddr,
+                                         host_maddrs) if host_maddrs else None,
+    }
+
+
+def check_addresses(cfg: Config) -> None:
+    """Addresses from the file or the environment parse (flags were checked already); exits 2 if not."""
+    from dtrain.swarm.reachability import (
+        AddressError, validate_announce_maddr, validate_external_address, validate_host_maddr,
+    )
+
+    checks = [("allreduce.announce_maddrs", validate_announce_maddr, cfg.allreduce.announce_maddrs),
+              ("allreduce.host_maddrs", validate_host_maddr, cfg.allreduce.host_maddrs)]
+    if cfg.api.external_address:
+        checks.append(("api.external_address", validate_external_address, [cfg.api.external_address]))
+    for key, check, values in checks:
+        for value in values:
+            try:
+                check(value)
+            except AddressError as exc:
+                from dtrain.config import env_name
+
+                # Flags were checked on their own; what is left came from the file or the environment.
+                raise ConfigError(str(exc), source=f"config file or env {env_name(*key.split('.'))}",
+                                  key=key) from None
+
+
+def refuse_unreachable(cfg: Config, role: str) -> None:
+    """Stop before the chain is contacted when the config alone shows this node would be
+    unreachable on a real network (dtrain.swarm.reachability). Warnings on private addresses
+    come from the neuron itself, once it knows what hivemind really announces."""
+    from dtrain.swarm.reachability import preflight, refusals
+
+    check_addresses(cfg)
+    found = refusals(preflight(network=cfg.chain.network, role=role, announce_maddrs=cfg.allreduce.announce_maddrs,
+                               host_maddrs=cfg.allreduce.host_maddrs, external_address=cfg.api.external_address,
+                               api_host=cfg.api.host, api_port=cfg.api.port))
+    if found:
+        raise CommandError("refusing to start: " + " Also: ".join(f.message for f in found))
 
 
 def load(config: Path | None, overrides: dict[str, Any] | None = None) -> Config:

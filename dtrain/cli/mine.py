@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dtrain.cli.common import PresetOpt, cli_errors, load
+from dtrain.cli.common import ExternalAddressOpt, PresetOpt, address_overrides, cli_errors, load, refuse_unreachable
 from dtrain.cli.node_options import NodeOptions, node_command
 
 
@@ -16,8 +16,7 @@ def mine(
     node: NodeOptions,
     preset: PresetOpt = None,
     port: Annotated[Optional[int], typer.Option("--port", help="Miner API port.")] = None,
-    external_address: Annotated[Optional[str], typer.Option(
-        "--external-address", help="host:port validators use to reach the API (committed on chain).")] = None,
+    external_address: ExternalAddressOpt = None,
     repo: Annotated[Optional[str], typer.Option("--repo", help="Model store: hf://owner/repo or a directory.")] = None,
     initial_peer: Annotated[Optional[list[str]], typer.Option(
         "--initial-peer", help="Extra hivemind multiaddr to bootstrap from (repeatable).")] = None,
@@ -29,9 +28,12 @@ def mine(
     """Train, share gradients with the swarm, and answer validators. Ctrl-C saves and exits 0."""
     cfg = load(node.config, {
         **node.overrides(),
-        "model.preset": preset, "api.port": port, "api.external_address": external_address, "hub.repo": repo,
+        "model.preset": preset, "api.port": port, "hub.repo": repo,
+        "api.external_address": address_overrides(external_address)["api.external_address"],
         "allreduce.initial_peers": list(initial_peer) if initial_peer else None,
     })
+    # Before the chain is contacted and anything is committed: an unreachable miner earns nothing.
+    refuse_unreachable(cfg, "miner")
     from dtrain.cli.neuron_runner import run_neuron
 
     def build(telemetry, stop):

@@ -56,7 +56,7 @@ def run_neuron(cfg: Config, role: str, no_dashboard: bool,
 
 
 def _run(neuron) -> int:
-    from dtrain.chain.base import ChainError
+    from dtrain.chain.base import ChainClientBug, ChainError
     from dtrain.hub.base import StoreError
     from dtrain.neurons.runtime import NeuronError
     from dtrain.training.errors import TrainingError
@@ -66,6 +66,12 @@ def _run(neuron) -> int:
         return neuron.run()
     except (NeuronError, TrainingError, ChainError, StateError, StoreError) as exc:
         raise CommandError(str(exc)) from None
+    except ChainClientBug as exc:
+        # A bug, not an outage: the traceback of the SDK's error is what a report needs.
+        import traceback
+
+        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
+        raise CommandError(f"{exc} (the SDK's traceback is above)") from None
     except OSError as exc:
         # Typically a port already in use or a data directory that cannot be written.
         where = exc.filename or "check api.port, api.metrics_port and node.data_dir"

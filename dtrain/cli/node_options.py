@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dtrain.cli.common import (
-    ConfigOpt, DataDirOpt, DeviceOpt, HotkeyOpt, LogFormatOpt, NetuidOpt, NetworkOpt, NoDashboardOpt, SandboxDirOpt,
-    WalletOpt, WalletPathOpt, chain_overrides,
+    AnnounceMaddrOpt, ConfigOpt, DataDirOpt, DeviceOpt, HostMaddrOpt, HotkeyOpt, LogFormatOpt, NetuidOpt, NetworkOpt,
+    NoDashboardOpt, SandboxDirOpt, WalletOpt, WalletPathOpt, address_overrides, chain_overrides,
 )
 
 
@@ -36,6 +36,9 @@ class NodeOptions:
     device: str | None = None
     no_dashboard: bool = False
     log_format: str | None = None
+    # Both roles join all-reduce rounds, so both must be dialable (dtrain.swarm.reachability).
+    announce_maddr: list[str] | None = None
+    host_maddr: list[str] | None = None
 
     def overrides(self) -> dict[str, Any]:
         """Config keys set by these flags (None: flag not given, the config decides)."""
@@ -45,6 +48,8 @@ class NodeOptions:
             "node.data_dir": str(self.data_dir) if self.data_dir else None,
             "node.log_format": self.log_format,
             "training.device": self.device,
+            **{k: v for k, v in address_overrides(None, self.announce_maddr, self.host_maddr).items()
+               if k != "api.external_address"},
         }
 
 
@@ -53,6 +58,7 @@ _ANNOTATIONS = {
     "config": ConfigOpt, "network": NetworkOpt, "netuid": NetuidOpt, "wallet": WalletOpt,
     "wallet_hotkey": HotkeyOpt, "wallet_path": WalletPathOpt, "sandbox_dir": SandboxDirOpt,
     "data_dir": DataDirOpt, "device": DeviceOpt, "no_dashboard": NoDashboardOpt, "log_format": LogFormatOpt,
+    "announce_maddr": AnnounceMaddrOpt, "host_maddr": HostMaddrOpt,
 }
 assert list(_ANNOTATIONS) == [f.name for f in fields(NodeOptions)]
 

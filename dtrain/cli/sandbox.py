@@ -28,6 +28,9 @@ def _complete_adversary(incomplete: str) -> list[str]:
 def sandbox(
     miners: Annotated[int, typer.Option("--miners", min=1, max=32, help="Honest miners to start.")] = 3,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="All-reduce rounds to run before stopping.")] = 2,
+    validators: Annotated[int, typer.Option(
+        "--validators", min=1, max=8,
+        help="Independent validators to start; each runs every round and sets its own weights.")] = 1,
     adversary: Annotated[Optional[list[str]], typer.Option(
         "--adversary", help=f"Add a cheating miner (repeatable): {', '.join(ADVERSARIES[:-1])}; or "
         "fused-adamw, an honest miner on another optimizer implementation.",
@@ -37,7 +40,7 @@ def sandbox(
     json_out: JsonOpt = False,
     no_dashboard: NoDashboardOpt = False,
 ) -> None:
-    """Start an embedded chain, a validator and miners on loopback; run rounds; print a summary."""
+    """Start an embedded chain, validators and miners on loopback; run rounds; print a summary."""
     for kind in adversary or []:
         if kind not in ADVERSARIES:
             raise typer.BadParameter(f"expected one of {', '.join(ADVERSARIES)}, found {kind!r}",
@@ -52,8 +55,8 @@ def sandbox(
         if not live:
             err(f"sandbox: {message}")
 
-    box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, adversaries=list(adversary or []),
-                                 directory=directory), on_event=note)
+    box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, validators=validators,
+                                 adversaries=list(adversary or []), directory=directory), on_event=note)
     interrupted = threading.Event()
 
     def on_signal(signum, frame):
@@ -99,7 +102,7 @@ def sandbox(
             typer.echo(f"state kept in {directory}; inspect it with: "
                        f"dtrain status --network sandbox --sandbox-dir {directory}")
     if code != 0:
-        raise CommandError(f"the validator exited with code {code}; see its log under neurons/validator/")
+        raise CommandError(f"a validator exited with code {code}; see its log under neurons/validator*/")
 
 
 def _watch(box, events: list[str], rounds: int) -> int:
@@ -108,10 +111,9 @@ def _watch(box, events: list[str], rounds: int) -> int:
 
     from dtrain.ui.sandbox_view import render_sandbox
 
-    validator = next(c for c in box.children if c.member.role == "validator")
     with Live(console=Console(), auto_refresh=False, transient=False) as live:
         while not box._stopping.is_set():
-            code = validator.process.poll()
+            code = box.validators_done()
             live.update(render_sandbox(box.neuron_views(), events, rounds=rounds,
                                        elapsed_s=time.time() - box.started_at), refresh=True)
             if code is not None:

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dtrain.cli.common import cli_errors, load
+from dtrain.cli.common import cli_errors, load, refuse_unreachable
 from dtrain.cli.node_options import NodeOptions, node_command
 
 
@@ -15,12 +15,15 @@ from dtrain.cli.node_options import NodeOptions, node_command
 def validate(
     node: NodeOptions,
     round_interval: Annotated[Optional[float], typer.Option(
-        "--round-interval", help="Seconds between validation rounds.")] = None,
+        "--round-interval", help="Rounds start at multiples of this many seconds of UNIX time, so "
+        "validators run rounds together.")] = None,
     max_rounds: Annotated[Optional[int], typer.Option(
         "--max-rounds", min=1, help="Stop cleanly after this many validation rounds (default: run until Ctrl-C).")] = None,
 ) -> None:
     """Verify miners' training, run all-reduce rounds, score, and set weights. Ctrl-C exits 0."""
     cfg = load(node.config, {**node.overrides(), "validator.round_interval_s": round_interval})
+    # Validators join all-reduce rounds too: peers must be able to dial them.
+    refuse_unreachable(cfg, "validator")
     from dtrain.cli.neuron_runner import run_neuron
 
     def build(telemetry, stop):

@@ -28,6 +28,7 @@ from dtrain.hub.base import (
     StoreNotFoundError,
     emit,
     folder_files,
+    log,
 )
 from dtrain.hub.retry import HUB_RETRY, RetryPolicy, call_with_retries, http_status, is_retryable
 from dtrain.hub.tags import is_tag, newest, parse_tag
@@ -44,6 +45,10 @@ def parse_hf_target(target: str) -> str:
     if len(parts) != 2 or not all(parts) or any(c in repo_id for c in " \\:"):
         raise StoreError(f"invalid Hub target {target!r}: expected hf://owner/repo")
     return repo_id
+
+
+# What huggingface_hub's upload_folder raises when the Hub's /api/validate-yaml refuses README.md.
+_CARD_REJECTED = "Invalid metadata in README.md"
 
 
 class HfStore:
@@ -135,16 +140,26 @@ class HfStore:
             )
 
         emit(progress, ProgressEvent("upload", 0, total, message=f"uploading {tag}"))
-        info, n = self._call(
-            f"upload {tag} to {self.repo_id}",
-            lambda: self.api.upload_folder(
+
+        def upload(ignore: list[str] | None = None) -> Any:
+            return self.api.upload_folder(
                 folder_path=str(src),
                 repo_id=self.repo_id,
                 repo_type="model",
                 commit_message=f"dtrain checkpoint {tag}",
-            ),
-            progress,
-        )
+                ignore_patterns=ignore,
+            )
+
+        try:
+            info, n = self._call(f"upload {tag} to {self.repo_id}", upload, progress)
+        except StoreError as exc:
+            # huggingface_hub asks the Hub to validate README.md's metadata before uploading;
+            # a card the Hub rejects must not stop the weights from reaching peers every round.
+            if _CARD_REJECTED not in str(exc):
+                raise
+            attempts += exc.attempts
+            log.warning("the Hub rejected the model card of %s (%s); pushing it without README.md", tag, exc)
+            info, n = self._call(f"upload {tag} to {self.repo_id}", lambda: upload(["README.md"]), progress)
         attempts += n
         emit(progress, ProgressEvent("upload", total, total, message=f"uploaded {tag}"))
         revision = getattr(info, "oid", None) or str(info)

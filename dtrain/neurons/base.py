@@ -18,6 +18,14 @@ from dtrain.telemetry import Telemetry, write_status_file
 log = logging.getLogger("dtrain.neuron")
 
 REGISTRATION_BACKOFF_MAX_S = 30.0
+CHANGE_ENDPOINT_HINT = ("To use another endpoint, pass --network ws://HOST:PORT (or wss://), "
+                        "set BT_NETWORK, or set network under [chain] in the config.")
+
+
+def chain_location(chain, network: str) -> str:
+    """Where ``chain`` connects, for messages: a subtensor endpoint URL, the sandbox
+    database path, or the network name when the backend tells neither."""
+    return str(getattr(chain, "endpoint", None) or getattr(chain, "path", None) or network)
 
 
 @dataclass(frozen=True)
@@ -63,13 +71,18 @@ class NeuronBase:
         """This hotkey's uid, once the chain has one; None if stopped (Ctrl-C) while waiting.
 
         While the chain cannot be reached, or the hotkey is not registered yet, it retries
-        with backoff and says which of the two it is waiting for (once each). A validator
-        also needs a permit: without one miners refuse its queries, so that is an error.
+        with backoff and says which of the two it is waiting for (once each). "Not
+        registered" is only ever said after the chain answered: an unreachable chain is
+        reported as such, with the endpoint and how to change it. A validator also needs a
+        permit: without one miners refuse its queries, so that is an error. A
+        ``ChainClientBug`` (an SDK programming error) is not waited out: it propagates.
         """
-        from dtrain.chain.base import ChainError
+        from dtrain.chain.base import ChainError, ChainUnavailable
         from dtrain.neurons.runtime import NeuronError
 
         netuid = self.cfg.chain.netuid
+        network = self.cfg.chain.network
+        where = chain_location(self.chain, network)
         delay, said = 1.0, set()
 
         def once(key: str, message: str) -> None:
@@ -79,20 +92,52 @@ class NeuronBase:
 
         while not self.stop.is_set():
             try:
-                me = next((n for n in self.chain.neurons() if n.hotkey == self.hotkey), None)
+                neurons = self.chain.neurons()
+            except ChainUnavailable as exc:
+                # The SDK's own words (the cause) say why; the wrapper repeats the endpoint.
+                reason = str(exc.__cause__ or exc) or type(exc).__name__
+                once("unreachable", f"cannot reach the chain at {where} (network {network}): {reason}; "
+                                    f"retrying every {REGISTRATION_BACKOFF_MAX_S:g}s at most. "
+                                    f"{CHANGE_ENDPOINT_HINT}")
             except ChainError as exc:
-                once("unreachable", f"cannot reach the chain ({self.cfg.chain.network}): {exc}; retrying")
+                once("refused", f"the chain at {where} (network {network}) answered with an error: "
+                                f"{exc}; retrying")
             else:
+                if "unreachable" in said and "reached" not in said:
+                    once("reached", f"reached the chain at {where}")
+                me = next((n for n in neurons if n.hotkey == self.hotkey), None)
                 if me is not None:
                     if need_permit and not me.validator_permit:
                         raise NeuronError(f"uid {me.uid} has no validator permit on netuid {netuid}; "
                                           "miners will refuse its queries (stake more to earn a permit)")
                     return me.uid
-                once("unregistered", f"hotkey {self.hotkey} is not registered on netuid {netuid}; waiting. "
-                                     f"Register it with: btcli subnet register --netuid {netuid}")
+                if not neurons:
+                    once("empty", f"netuid {netuid} has no registered neurons on {network} ({where}): "
+                                  "check chain.netuid (--netuid) and the network; waiting")
+                else:
+                    once("unregistered", f"hotkey {self.hotkey} is not registered on netuid {netuid} "
+                                         f"({network}); waiting. "
+                                         f"Register it with: btcli subnets register --netuid {netuid}")
             self.stop.wait(delay)
             delay = min(delay * 2, REGISTRATION_BACKOFF_MAX_S)
         return None
+
+    def _with_input_retries(self, fn, what: str, **delays):
+        """``(True, fn())``, retrying transient failures of the training inputs (tokenizer,
+        Hub model, data: a Hub timeout, a 503) with backoff until they pass; ``(False, None)``
+        if stopped (Ctrl-C) while waiting.
+
+        Neurons load their inputs before they contact the chain, so a wrong dataset or model
+        id stops them before they announce anything. A restarted miner is still committed from
+        its last run, which is why a transient failure waits instead of ending the process.
+        """
+        from dtrain.neurons.runtime import retry_data
+
+        def on_retry(exc, failures, wait):
+            self.tel.event(f"{what}: {exc}; retrying in {wait:.0f}s (attempt {failures + 1})")
+
+        self.tel.update(state=f"{what}")
+        return retry_data(fn, stop=self.stop, on_retry=on_retry, **delays)
 
     def _commitments(self) -> dict:
         """Miners' commitments by hotkey; {} while the chain is down (its health shows it)."""
@@ -113,6 +158,7 @@ class NeuronBase:
 
         peers = peer_maddrs(commitments.values())
         self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
+        self._check_announced()
         self.swarm = GradientSwarm(
             # Matching on the swarm fingerprint (model + swarm-wide settings) makes a peer with
             # other settings WRONG_MODEL instead of silently averaging out-of-step gradients.
@@ -123,6 +169,26 @@ class NeuronBase:
         )
         self.swarm.set_state_priority(self.epoch)
         self.tel.update(peer_id=self.node.peer_id)
+
+    def _check_announced(self) -> None:
+        """Refuse to go on (before a miner commits anything) when hivemind announces only
+        addresses that peers on other machines cannot dial; warn once on private ones.
+
+        This is the check that sees what p2pd really found on a wildcard listen address;
+        the CLI already refused what the config alone decides (dtrain.swarm.reachability).
+        """
+        from dtrain.neurons.runtime import NeuronError
+        from dtrain.swarm.reachability import REFUSE, WARN, check_p2p
+
+        source = "allreduce.announce_maddrs" if self.cfg.allreduce.announce_maddrs else \
+            "the interfaces of allreduce.host_maddrs (no announce_maddrs set)"
+        finding = check_p2p(self.node.visible_maddrs(), self.cfg.chain.network, source=source,
+                            observed=not self.cfg.allreduce.announce_maddrs)
+        if finding.level == REFUSE:
+            self.node.shutdown()  # nothing else holds it yet; do not leave p2pd running
+            raise NeuronError(finding.message)
+        if finding.level == WARN:
+            self.tel.event(f"warning: {finding.message}")
 
     def _shared_state(self):
         from dtrain.neurons.sync import export_state

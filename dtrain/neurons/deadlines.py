@@ -29,3 +29,26 @@ def round_deadline_s(allreduce) -> float:
 def max_accepted_deadline_s(allreduce) -> float:
     """The longest round deadline a miner accepts in an AllReduce query (else 422)."""
     return ACCEPTED_DEADLINE_FACTOR * round_deadline_s(allreduce)
+
+
+def next_round_start(now: float, interval_s: float) -> float:
+    """When the next validation round starts: the next multiple of ``interval_s`` of UNIX time.
+
+    A shared clock instead of "interval after my last round": validators that run independently
+    (there is no master) then start their rounds together, query miners at the same epoch and
+    meet in the same all-reduce group, so every validator's replica takes every step. NTP keeps
+    operators' clocks far closer than a round's matchmaking window.
+    """
+    if interval_s <= 0:
+        return now
+    return (now // interval_s + 1) * interval_s
+
+
+# Where in its slot a round's all-reduce starts: validators that verified at different speeds
+# still meet in one matchmaking window, as long as each finishes its checks in this share.
+ALLREDUCE_AT_FRACTION = 0.5
+
+
+def allreduce_start(slot_start: float, interval_s: float) -> float:
+    """When a round that started at ``slot_start`` begins its all-reduce (UNIX time)."""
+    return slot_start + ALLREDUCE_AT_FRACTION * max(0.0, interval_s)

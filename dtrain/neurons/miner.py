@@ -50,10 +50,15 @@ class Miner(NeuronBase):
         self.jobs = JobQueue()
         self.page_counter = 0  # pages of our own assignment trained this epoch
         self.rounds_done = 0
+        # (epoch, answer) of the last round that averaged: a second validator's query for that
+        # epoch gets the same answer (see _do_round).
+        self._last_round: tuple[int, AllReduceResponse] | None = None
         self._pending_catch_up: CatchUpTarget | None = None
         self._pending_commit = None
         self._post_round = False
         self._last_loss: float | None = None
+        # The model card's facts about the round that produced the current epoch (publish.round_facts).
+        self._card_round: dict | None = None
         self._data_retry_at = 0.0
         self.server = self.pusher = self.node = self.swarm = None
 
@@ -66,15 +71,21 @@ class Miner(NeuronBase):
         self.tel.update(state="loading wallet", network=cfg.chain.network, netuid=cfg.chain.netuid)
         wallet = runtime.load_wallet(cfg)
         self.hotkey = wallet.hotkey.ss58_address
-        self.tel.update(hotkey=self.hotkey, state="connecting to chain")
+        # Model, tokenizer and data first: a missing one is a local problem with a local fix,
+        # reported at once rather than after the chain (which may be down) has been reached.
+        self.tel.update(hotkey=self.hotkey)
+        ok, self.bench = self._with_input_retries(self._build_workbench, "loading the tokenizer and model")
+        if not ok:
+            return 0  # stopped (Ctrl-C) while the Hub was unreachable
+        if not self._with_input_retries(self.bench.reader.open, "opening the dataset")[0]:
+            return 0  # stopped (Ctrl-C) while the data source was unavailable
+        self.tel.update(state="connecting to chain")
         self._open_chain(wallet)
         self.uid = self._wait_for_registration(need_permit=False)
         if self.uid is None:
             return 0  # stopped (Ctrl-C) while waiting for registration
         self.dir = node_dir(cfg, "miner", self.hotkey)
-
-        self.tel.update(uid=self.uid, state="building model")
-        self.bench = self._build_workbench()
+        self.tel.update(uid=self.uid)
         self.trainer = self.bench.trainer
         from dtrain.training.work import WorkLog
 
@@ -119,12 +130,17 @@ class Miner(NeuronBase):
 
         register(self.tel, self.server.registry)
         self.server.start()
-        host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
-        self.api_address = a.external_address or f"{host}:{self.server.port}"
-        if self.cfg.chain.network not in ("sandbox", "local") and _is_loopback(self.api_address):
-            # Committed on chain, a loopback address sends every validator to its own machine.
-            raise NeuronError(f"the miner API would be announced as {self.api_address}, which validators cannot "
-                              "reach; set api.external_address (or --external-address) to your public host:port")
+        from dtrain.swarm.reachability import REFUSE, WARN, check_api, committed_api_address
+
+        self.api_address = committed_api_address(a.external_address, a.host, self.server.port)
+        # Committed on chain, a loopback address sends every validator to its own machine:
+        # refused here, before _commit (the CLI refused it earlier still, from the config).
+        finding = check_api(self.api_address, self.cfg.chain.network,
+                            source="api.external_address" if a.external_address else "api.host/api.port")
+        if finding.level == REFUSE:
+            raise NeuronError(finding.message)
+        if finding.level == WARN:
+            self.tel.event(f"warning: {finding.message}")
         self.tel.update(api=self.api_address)
 
     def _commit(self) -> None:
@@ -360,12 +376,17 @@ class Miner(NeuronBase):
             self._pending_catch_up = CatchUpTarget(epoch=epoch, sketch=tuple(sketch) if sketch else None)
 
     def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
+        if self._last_round is not None and request.epoch == self._last_round[0] != self.epoch:
+            # Several validators query the same round (they start rounds on a shared clock and
+            # all join its group); the first query ran it, the others get its record.
+            return self._last_round[1]
         if request.epoch != self.epoch:
             self._catch_up_if_behind(request.epoch, None)
             return AllReduceResponse(joined=False, epoch=self.epoch, round=None,
                                      reason=f"miner is at epoch {self.epoch}, round is for epoch {request.epoch}")
         from dtrain.training.work import work_nonce
 
+        round_epoch = self.epoch
         samples = self.trainer.accumulated_samples
         with self.model_lock:
             mean, weight, report = self._contribution(samples, request.weight_cap)
@@ -379,6 +400,9 @@ class Miner(NeuronBase):
                                       work=report, work_nonce=work_nonce(self.bench.run_id, self.epoch))
         metrics = self._apply_round(record, mean)
         if metrics is not None:
+            from dtrain.neurons.publish import round_facts
+
+            self._card_round = round_facts(record, metrics, epoch=self.epoch, seq_len=self.cfg.model.seq_len)
             self.page_counter = 0  # page counters restart with each epoch's fresh permutation
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
@@ -393,7 +417,10 @@ class Miner(NeuronBase):
             self._post_round = True
         self.rounds_done += 1
         self.tel.round_finished(record.to_dict())
-        return AllReduceResponse(joined=not record.error, epoch=self.epoch, round=record.to_dict())
+        answer = AllReduceResponse(joined=not record.error, epoch=self.epoch, round=record.to_dict())
+        if metrics is not None:
+            self._last_round = (round_epoch, answer)
+        return answer
 
     def _state_slice(self, offset: int, length: int) -> bytes:
         """Bytes of the current parameters (float32), for the validator's bandwidth check."""
@@ -427,17 +454,39 @@ class Miner(NeuronBase):
 
     def _checkpoint(self) -> None:
         self._save_checkpoint(uid=self.uid)
+        # What `dtrain push` (another process, maybe offline) needs to publish this checkpoint
+        # as the same complete repo the background pusher uploads: the tokenizer's files and
+        # the round facts for the model card. Losing them only costs the card some facts.
+        from dtrain.training.checkpoint import save_publish_info
+
+        try:
+            save_publish_info(self.dir / "checkpoints", tokenizer=self._tokenizer(),
+                              facts={"tokenizer": self.bench.tokenizer_info.name, "last_round": self._card_round})
+        except Exception as exc:  # noqa: BLE001 - the checkpoint itself is saved; keep training
+            log.warning("publishing info not saved with the checkpoint: %r", exc)
+
+    def _tokenizer(self):
+        return self.bench.reader.tokenizer  # the one pages are built with, so the one to publish
 
     def _push(self) -> None:
         if self.pusher is None:
             return
         from dtrain.hub.tags import format_tag
+        from dtrain.neurons.publish import card_facts, export_for_push
 
-        export = self.dir / "export"
-        with self.model_lock:
-            self.bench.model.save_pretrained(str(export))
         tag = format_tag(self.bench.run_id, self.epoch, self.trainer.counters.inner_step)
-        self.pusher.enqueue(export, tag)
+        try:
+            facts = card_facts(self.cfg, target=self.cfg.hub.repo, tag=tag, run_id=self.bench.run_id,
+                               epoch=self.epoch, inner_step=self.trainer.counters.inner_step,
+                               tokens_seen=self.trainer.counters.tokens, model=self.bench.model,
+                               param_count=self.bench.param_count, tokenizer_name=self.bench.tokenizer_info.name,
+                               last_round=self._card_round)
+            with self.model_lock:
+                folder = export_for_push(self.dir / "export", tag, self.bench.model, self._tokenizer(), facts)
+        except Exception as exc:  # noqa: BLE001 - a failed export skips one push, never the training
+            self.tel.event(f"export of {tag} for the model store failed: {exc!r}")
+            return
+        self.pusher.enqueue(folder, tag)
 
     def _refresh_status(self) -> None:
         """Mirror the pusher's health into telemetry and rewrite status.json (for dtrain status)."""
@@ -453,21 +502,3 @@ def _page_loss(results) -> float:
     """Sample-weighted mean loss of a page's micro-batches."""
     n = sum(r.samples for r in results)
     return sum(r.loss * r.samples for r in results) / n if n else float("nan")
-
-
-def _is_loopback(api: str) -> bool:
-    import ipaddress
-
-    from dtrain.chain.commitment import split_api
-
-    try:
-        host = split_api(api)[0]
-    except ValueError:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-

@@ -8,7 +8,6 @@ this module.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,38 +84,111 @@ def resolve_device(cfg: Config) -> str:
     return cfg.training.device
 
 
+def is_production(cfg: Config) -> bool:
+    """Every network but the sandbox: there nothing may be guessed, because a guess (another
+    tokenizer, another model) makes this peer train something the swarm does not."""
+    return cfg.chain.network != "sandbox"
+
+
 def load_tokenizer_for(cfg: Config):
-    from dtrain.training.tokenizer import load_fallback_tokenizer, load_tokenizer
+    """The configured tokenizer, or a TokenizerLoadError saying what is missing and how to get it.
+
+    The shipped BPE stands in for an unavailable tokenizer only on the sandbox network or
+    when ``data.allow_tokenizer_fallback`` is set; on a production network that opt-in is
+    honoured with a loud warning, since every peer of a swarm must share one tokenizer.
+    """
+    from dtrain.training import hub_access
+    from dtrain.training.tokenizer import load_shipped_tokenizer, load_tokenizer
 
     if cfg.data.tokenizer == SHIPPED_TOKENIZER:
-        from dtrain.training.assets import FALLBACK_TOKENIZER_NAME
-        from dtrain.training.tokenizer import TokenizerInfo
+        return load_shipped_tokenizer(SHIPPED_TOKENIZER)
+    production = is_production(cfg)
+    allow = cfg.data.allow_tokenizer_fallback or not production
+    tok, info = load_tokenizer(cfg.data.tokenizer, allow_fallback=allow, local_files_only=hub_access.offline_mode(),
+                               revision=cfg.data.tokenizer_revision or None, key="data.tokenizer",
+                               revision_key="data.tokenizer_revision")
+    if info.is_fallback and production:
+        log.warning(
+            "TOKENIZER FALLBACK on network %s: %r could not be loaded, so this node trains with %s (%d tokens) "
+            "because data.allow_tokenizer_fallback = true. Its model matches only peers that fell back too: a "
+            "swarm on %r reports this node as WRONG_MODEL every round. Make %r available (see the error above) "
+            "and set data.allow_tokenizer_fallback = false.",
+            cfg.chain.network, info.requested, info.name, info.vocab_size, info.requested, info.requested)
+    return tok, info
 
-        tok = load_fallback_tokenizer()
-        info = TokenizerInfo(name=FALLBACK_TOKENIZER_NAME, requested=SHIPPED_TOKENIZER, is_fallback=False,
-                             vocab_size=len(tok), eos_token_id=int(tok.eos_token_id))
-        return tok, info
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    return load_tokenizer(cfg.data.tokenizer, allow_fallback=cfg.data.allow_tokenizer_fallback,
-                          local_files_only=offline)
+
+def check_tokenizer_fits(model, tokenizer_info) -> None:
+    """A model whose embedding is smaller than the vocabulary would index past it on the
+    first page with a high token id (a device-side assert on CUDA); say so at start."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and vocab < tokenizer_info.vocab_size:
+        raise NeuronError(
+            f"the model has {vocab} token embeddings but tokenizer {getattr(tokenizer_info, 'name', '')!r} has "
+            f"{tokenizer_info.vocab_size} tokens; set data.tokenizer to the tokenizer the model was trained with")
 
 
 def data_source_for(cfg: Config):
     from dtrain.training.data import DataSource
 
     if cfg.data.source == "fineweb":
-        return DataSource(path=cfg.data.dataset, name=cfg.data.dataset_config or None)
+        return DataSource(path=cfg.data.dataset, name=cfg.data.dataset_config or None,
+                          revision=cfg.data.dataset_revision or None)
     if not cfg.data.local_path:
         return DataSource.shipped()
     root = expand(cfg.data.local_path)
     if root.is_dir():
-        files = sorted(str(p) for p in root.glob("*.txt"))
-        if not files:
-            raise NeuronError(f"data.local_path {root} holds no *.txt files")
-        return DataSource.local_text(files)
+        parquet = sorted(str(p) for p in root.glob("*.parquet"))
+        text = sorted(str(p) for p in root.glob("*.txt"))
+        if parquet and text:
+            # one directory, one format: mixing them would make shard order a guess
+            raise NeuronError(f"data.local_path {root} holds both *.parquet and *.txt files; "
+                              "point it at a directory (or file) of one kind")
+        if parquet:
+            return DataSource.local_parquet(parquet)
+        if not text:
+            raise NeuronError(f"data.local_path {root} holds no *.txt or *.parquet files")
+        return DataSource.local_text(text)
     if not root.is_file():
         raise NeuronError(f"data.local_path {root} does not exist")
+    if root.suffix.lower() == ".parquet":
+        return DataSource.local_parquet([str(root)])
     return DataSource.local_text([str(root)])
+
+
+# Start-up input retries (tokenizer, Hub model, data): waits double from 2 s up to a minute,
+# and go on while the failure is transient. A restarted miner is still committed on chain
+# from its last run, so giving up would take a registered miner offline over a Hub hiccup.
+# Ctrl-C ends them.
+RETRY_FOREVER = 1 << 30
+
+
+def retry_data(fn, *, stop, on_retry=None, base_delay: float = 2.0, max_delay: float = 60.0):
+    """``(True, fn())`` once ``fn`` succeeds; ``(False, None)`` when ``stop`` was set while waiting.
+
+    Transient training-input errors (a DataSourceError, or a tokenizer or Hub model load that
+    failed because the Hub was unreachable: timeouts, refused connections, HTTP 5xx/429) are retried with
+    exponential backoff and jitter (dtrain.retry) while ``stop`` is not set, the waits
+    themselves ending early on ``stop``; ``on_retry(error, failures, wait)`` reports each.
+    A permanent failure (no such dataset, model, file or text field) propagates at once.
+    """
+    from dtrain.retry import RetryPolicy, retry
+    from dtrain.training.errors import TrainingError
+
+    class _Stopped(Exception):
+        pass
+
+    def attempt():
+        if stop.is_set():
+            raise _Stopped
+        return fn()
+
+    policy = RetryPolicy(attempts=RETRY_FOREVER, base_delay=base_delay, max_delay=max_delay, jitter=0.5)
+    try:
+        result, _ = retry(attempt, policy=policy, on_retry=on_retry, sleep=stop.wait,
+                          retryable=lambda exc: isinstance(exc, TrainingError) and exc.transient)
+    except _Stopped:
+        return False, None
+    return True, result
 
 
 def trainer_config(cfg: Config, device: str):
@@ -142,7 +214,15 @@ def build_model(cfg: Config, tokenizer_info, *, n_positions: int | None = None):
     from dtrain.training.models import create_model, load_pretrained_model
 
     if cfg.model.hub_id:
-        return load_pretrained_model(cfg.model.hub_id)
+        from dtrain.training import hub_access
+
+        # No preset stands in for a missing Hub model on any network: a different model
+        # than the swarm's gets every gradient rejected. The error says how to get it.
+        model = load_pretrained_model(cfg.model.hub_id, revision=cfg.model.revision or None,
+                                      local_files_only=hub_access.offline_mode(), key="model.hub_id",
+                                      revision_key="model.revision")
+        check_tokenizer_fits(model, tokenizer_info)
+        return model
     # Every peer initialises from the same seed, so a fresh swarm starts from identical
     # weights without downloading anything.
     seed = int.from_bytes(cfg.model.run_id.encode()[:8].ljust(8, b"\0"), "little") % (2**31)
@@ -160,9 +240,7 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench
     from dtrain.training.models import count_parameters, model_fingerprint
     from dtrain.training.trainer import Trainer
 
-    tokenizer, info = load_tokenizer_for(cfg)
-    if info.is_fallback:
-        log.warning("tokenizer: %s (%s)", info.name, info.reason)
+    tokenizer, info = load_tokenizer_for(cfg)  # warns itself when it falls back
     model = build_model(cfg, info, n_positions=n_positions)
     device = resolve_device(cfg)
     trainer = Trainer(model, trainer_config(cfg, device))
@@ -170,14 +248,18 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench
                                                                    page_sequences=cfg.data.page_sequences))
     model_fp = model_fingerprint(trainer.model)
     return Workbench(model=trainer.model, trainer=trainer, reader=reader, tokenizer_info=info,
-                     fingerprint=model_fp, swarm_fingerprint=swarm_fingerprint(cfg, model_fp), run_id=cfg.model.run_id,
-                     param_count=count_parameters(trainer.model))
+                     fingerprint=model_fp,
+                     swarm_fingerprint=swarm_fingerprint(cfg, model_fp, tokenizer_digest=info.digest),
+                     run_id=cfg.model.run_id, param_count=count_parameters(trainer.model))
 
 
-def swarm_fingerprint(cfg: Config, model_fingerprint: str) -> str:
+def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: str = "") -> str:
     """What peers of one swarm must share, as one hash: the model fingerprint, every setting
     marked swarm-wide in the config schema, and the protocol constants that decide pages and
     gradient sketches.
+
+    ``tokenizer_digest`` (TokenizerInfo.digest) is the tokenizer's content: two tokenizers of
+    one size but other merges give the same model fingerprint yet other token ids per page.
 
     It is the fingerprint peers match on in the all-reduce, so a peer whose swarm-wide
     settings differ is reported WRONG_MODEL instead of averaging gradients that were computed
@@ -191,13 +273,27 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str) -> str:
     from dtrain.training.fingerprint import FINGERPRINT_VERSION
 
     settings = swarm_settings(cfg)
+    if not cfg.model.hub_id:
+        settings.pop("model.revision", None)  # read only with model.hub_id; a stale value must not split a swarm
     if cfg.data.source != "fineweb":
         # the Hub dataset names are not read for local text; a stale value must not split a swarm
         settings.pop("data.dataset", None)
         settings.pop("data.dataset_config", None)
+        settings.pop("data.dataset_revision", None)
+        # local files have no revision: their names and sizes tell peers on other data apart
+        settings["data.files"] = _local_data_identity(cfg)
     doc = {"format": "dtrain-swarm/1", "model": model_fingerprint, "settings": settings, "max_uids": MAX_UIDS,
            "pages": ASSIGNMENT_VERSION, "sketch": FINGERPRINT_VERSION}
+    if tokenizer_digest:
+        doc["tokenizer"] = tokenizer_digest
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _local_data_identity(cfg: Config):
+    try:
+        return data_source_for(cfg).identity()
+    except NeuronError as exc:  # no such path: the neuron stops on it before it joins a swarm
+        return str(exc)
 
 
 def averaging_config(cfg: Config, log_path: Path | None):
@@ -233,9 +329,24 @@ def averaging_config(cfg: Config, log_path: Path | None):
 def swarm_node_config(cfg: Config, data_dir: Path, initial_peers: list[str]):
     from dtrain.swarm.node import NodeConfig
 
+    from dtrain.swarm.reachability import AddressError, fixed_port_host_maddrs
+
     peers = list(dict.fromkeys([*cfg.allreduce.initial_peers, *initial_peers]))
-    return NodeConfig(data_dir=str(data_dir), initial_peers=peers, host_maddrs=list(cfg.allreduce.host_maddrs),
-                      announce_maddrs=list(cfg.allreduce.announce_maddrs), bootstrap_timeout_s=5.0)
+    host_maddrs = list(cfg.allreduce.host_maddrs)
+    announce = list(cfg.allreduce.announce_maddrs)
+    if announce:
+        # An announced port is what peers dial: listening on a random one (tcp/0) next to it can
+        # never work, so listen on the announced port instead (a router forwarding another
+        # external port sets host_maddrs explicitly).
+        try:
+            fixed = fixed_port_host_maddrs(host_maddrs, announce)
+        except AddressError as exc:
+            raise NeuronError(f"allreduce: {exc}") from None
+        if fixed is not None:
+            log.info("listening on %s, the port announced in allreduce.announce_maddrs", ", ".join(fixed))
+            host_maddrs = fixed
+    return NodeConfig(data_dir=str(data_dir), initial_peers=peers, host_maddrs=host_maddrs,
+                      announce_maddrs=announce, bootstrap_timeout_s=5.0)
 
 
 def params_digest(trainer) -> str:

@@ -30,11 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from dtrain.api.messages import AllReduceRequest, AllReduceResponse, StatusResponse, TrainRequest, TrainResponse
+from dtrain.chain.base import ChainClientBug
 from dtrain.config import Config
 from dtrain.neurons.base import CatchUpTarget, NeuronBase
-from dtrain.neurons.deadlines import round_deadline_s
+from dtrain.neurons.deadlines import allreduce_start, next_round_start, round_deadline_s
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.telemetry import MinerRow, Telemetry
+from dtrain.validation.verification import MAX_OVERTAKEN_IN_A_ROW, overtaken_by
 
 log = logging.getLogger("dtrain.validator")
 
@@ -72,6 +74,8 @@ class Validator(NeuronBase):
     def __init__(self, cfg: Config, telemetry: Telemetry, stop: threading.Event, *, max_rounds: int | None = None):
         super().__init__(cfg, telemetry, stop)
         self.max_rounds = max_rounds
+        self._overtaken_in_a_row = 0  # rounds left unscored because another validator's round ran first
+        self._slot_start = time.time()  # when the current round's slot began (the shared round clock)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -86,7 +90,14 @@ class Validator(NeuronBase):
         self.tel.update(state="loading wallet", network=cfg.chain.network, netuid=cfg.chain.netuid)
         self.wallet = runtime.load_wallet(cfg)
         self.hotkey = self.wallet.hotkey.ss58_address
-        self.tel.update(hotkey=self.hotkey, state="connecting to chain")
+        # The model and tokenizer first: a missing one is reported before the chain is reached.
+        self.tel.update(hotkey=self.hotkey)
+        ok, self.bench = self._with_input_retries(lambda: runtime.build_workbench(cfg),
+                                                  "loading the tokenizer and model")
+        if not ok:
+            return 0  # stopped (Ctrl-C) while the Hub was unreachable
+        self.trainer = self.bench.trainer
+        self.tel.update(state="connecting to chain")
         self._open_chain(self.wallet)
         self.uid = self._wait_for_registration(need_permit=True)
         if self.uid is None:
@@ -94,11 +105,16 @@ class Validator(NeuronBase):
         self.dir = node_dir(cfg, "validator", self.hotkey)
         self.state_path = self.dir / "state.json"
         self.state = load_state(self.state_path) if self.state_path.exists() else ValidatorState()
-        self.tel.update(uid=self.uid, state="building model")
-        self.bench = runtime.build_workbench(cfg)
-        self.trainer = self.bench.trainer
+        self.tel.update(uid=self.uid)
         self._resume(uid=0)
-        self.eval_tokens = self._eval_batch()
+
+        def first_pages():
+            self.bench.reader.open()
+            return self._eval_batch()
+
+        ok, self.eval_tokens = self._with_input_retries(first_pages, "opening the dataset")
+        if not ok:
+            return 0  # stopped (Ctrl-C) while the data source was unavailable
         self.client = MinerClient(self.wallet, timeout=max(60.0, round_deadline_s(cfg.allreduce) + 60))
         self.swarm = None
         try:
@@ -115,19 +131,23 @@ class Validator(NeuronBase):
             self._restore_dashboard()
             rounds = 0
             while not self.stop.is_set() and (self.max_rounds is None or rounds < self.max_rounds):
-                started = time.monotonic()
+                self.tel.update(state="waiting for the next round")
+                self._slot_start = next_round_start(time.time(), cfg.validator.round_interval_s)
+                self.stop.wait(max(0.0, self._slot_start - time.time()))
+                if self.stop.is_set():
+                    break
                 try:
-                    self._round()
+                    finished = self._round()
+                except ChainClientBug:
+                    raise  # a bug in dtrain or an unsupported SDK: every round would fail alike
                 except Exception as exc:
                     # One bad round (a hostile miner, a data hiccup) must not end validation.
                     log.exception("validation round failed")
                     self.tel.event(f"round failed: {type(exc).__name__}: {exc}")
-                rounds += 1
-                self.tel.update(state="waiting for the next round")
+                    finished = True
+                # A round another validator's round overtook is not scored and does not count.
+                rounds += 1 if finished else 0
                 self._write_status()
-                if self.max_rounds is not None and rounds >= self.max_rounds:
-                    break
-                self.stop.wait(max(0.0, cfg.validator.round_interval_s - (time.monotonic() - started)))
         finally:
             self._shutdown()
         return 0
@@ -141,7 +161,8 @@ class Validator(NeuronBase):
 
     # ------------------------------------------------------------------ one round
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
+        """One round; False when another validator's round overtook it (not scored, run again)."""
         from dtrain.chain.base import ChainError
 
         round_no = self.state.round_counter + 1
@@ -150,12 +171,12 @@ class Validator(NeuronBase):
             neurons = self.chain.neurons()
         except ChainError as exc:
             self.tel.event(f"round {round_no} skipped: chain unreachable ({exc})")
-            return
+            return True
         commitments = self._commitments()
         miners = [n for n in neurons if n.hotkey in commitments and not n.validator_permit and n.hotkey != self.hotkey]
         if not miners:
             self.tel.event(f"round {round_no}: no miner has committed yet")
-            return
+            return True
         rng = random.Random(secrets.randbits(64))
         selected = rng.sample(miners, min(len(miners), self.cfg.validator.miners_per_round))
         probes = [Probe(uid=n.uid, hotkey=n.hotkey, api=commitments[n.hotkey].api,
@@ -183,8 +204,25 @@ class Validator(NeuronBase):
         verify_s = time.perf_counter() - t0
         self._resync_if_alone(probes)
 
+        # Every validator starts its all-reduce at the same point of the slot, however long its
+        # checks took, so all of them meet the miners in one matchmaking window.
+        self.tel.update(state=f"round {round_no}: waiting for the all-reduce")
+        self.stop.wait(max(0.0, allreduce_start(self._slot_start, self.cfg.validator.round_interval_s) - time.time()))
         self.tel.update(state=f"round {round_no}: all-reduce")
         record, averaged = self._allreduce(probes, round_no)
+        overtaken = overtaken_by(record.ok, self.epoch, [p.allreduce.epoch for p in probes if p.allreduce is not None],
+                                 asked=len(probes))
+        self._overtaken_in_a_row = self._overtaken_in_a_row + 1 if overtaken is not None else 0
+        if overtaken is not None and self._overtaken_in_a_row <= MAX_OVERTAKEN_IN_A_ROW:
+            # Another validator's round ran this epoch without us (we were late to its group): the
+            # miners took part in it, so this round is no evidence against them. Catch up to
+            # their epoch and run the round again, scoring nothing now.
+            self.tel.event(f"round {round_no}: the miners already averaged epoch {self.epoch} in another "
+                           f"validator's round and are at epoch {overtaken}; catching up, not scoring")
+            self.tel.round_finished(record.to_dict())
+            if self._catch_up(CatchUpTarget(epoch=overtaken)):
+                self._save_checkpoint(uid=0)
+            return False
         self.tel.update(state=f"round {round_no}: auditing committed work")
         t0 = time.perf_counter()
         self._audit(probes, record)
@@ -203,6 +241,7 @@ class Validator(NeuronBase):
         save_state(self.state_path, self.state)
         self.tel.event(f"round {round_no}: {summary['status']}, {len(summary['participants'])} participants, "
                        f"eval loss {loss_before:.3f} -> {loss_after:.3f}")
+        return True
 
     def _status_of(self, probe: Probe) -> None:
         from dtrain.api.client import ApiError

@@ -1,11 +1,12 @@
 """``dtrain sandbox``: a whole subnet on this machine.
 
-It creates the embedded chain, real sr25519 wallets, one validator and the miners,
-each a separate ``dtrain mine`` / ``dtrain validate`` process on loopback with the
-tiny model and the shipped text. The validator runs ``rounds`` rounds and exits;
-then every miner is stopped with SIGINT (clean checkpoint, DHT left) and anything
-still alive after a grace period is killed with its whole process group, so no
-p2pd daemon outlives the sandbox.
+It creates the embedded chain, real sr25519 wallets, one or more validators and the
+miners, each a separate ``dtrain mine`` / ``dtrain validate`` process on loopback with
+the tiny model and the shipped text. The validators are independent, as on the live
+subnet (no master): each runs ``rounds`` rounds, sets its own weights and exits; then
+every miner is stopped with SIGINT (clean checkpoint, DHT left) and anything still
+alive after a grace period is killed with its whole process group, so no p2pd daemon
+outlives the sandbox.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ GRACE_S = 60.0
 class SandboxOptions:
     miners: int = 3
     rounds: int = 2
+    validators: int = 1
     adversaries: list[str] = field(default_factory=list)
     directory: Path | None = None
     round_timeout_s: float = 240.0
@@ -52,6 +54,11 @@ class Child:
 
 class SandboxError(Exception):
     pass
+
+
+def validator_names(count: int) -> list[str]:
+    """One validator keeps the plain name "validator"; several are validator1..N."""
+    return ["validator"] if count == 1 else [f"validator{i}" for i in range(1, count + 1)]
 
 
 def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
@@ -128,7 +135,7 @@ class Sandbox:
         self.on_event(f"creating the sandbox chain in {self.root}")
         chain_sandbox.create(self.root, netuid=NETUID, block_time=1.0, weights_rate_limit=1)
         chain = chain_sandbox.SandboxChain(self.root, netuid=NETUID)
-        specs = [("validator", "validator", "validator")]
+        specs = [(name, "validator", "validator") for name in validator_names(self.options.validators)]
         specs += [(f"miner{i}", "miner", "honest") for i in range(1, self.options.miners + 1)]
         specs += [(f"adv-{kind}-{i}", "miner", kind) for i, kind in enumerate(self.options.adversaries, 1)]
         members = []
@@ -140,16 +147,19 @@ class Sandbox:
                 members.append(Member(name=name, role=role, kind=kind, uid=uid, hotkey=hotkey))
         finally:
             chain.close()
-        total_miners = len(members) - 1
+        total_miners = sum(m.role == "miner" for m in members)
         for member in members:
             ndir = layout.neuron_dir(self.root, member.name)
             ndir.mkdir(parents=True, exist_ok=True)
             save_config(neuron_config(self.root, member, total_miners), ndir / "config.toml", overwrite=True)
         layout.store_dir(self.root).mkdir(exist_ok=True)
         layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,
-                                                   "netuid": NETUID, "run_id": RUN_ID})
+                                                   "netuid": NETUID, "run_id": RUN_ID,
+                                                   "validators": self.options.validators})
         self.members = members
-        self.on_event(f"registered 1 validator and {total_miners} miners with real sr25519 hotkeys")
+        count = self.options.validators
+        self.on_event(f"registered {count} validator{'s' if count > 1 else ''} and {total_miners} miners with "
+                      "real sr25519 hotkeys")
         return members
 
     # ------------------------------------------------------------------ processes
@@ -189,7 +199,7 @@ class Sandbox:
 
     def start(self) -> None:
         miners = [m for m in self.members if m.role == "miner"]
-        validator = next(m for m in self.members if m.role == "validator")
+        validators = [m for m in self.members if m.role == "validator"]
         # The first miner starts alone; everyone else finds it (and each other) through
         # its chain commitment, exactly as on the real subnet: no bootstrap address is given.
         first = self._spawn(miners[0], [])
@@ -206,20 +216,36 @@ class Sandbox:
         for member in miners[1:]:
             if not self._wait_for_commitment(member.hotkey, max(1.0, deadline - time.monotonic())):
                 raise SandboxError(f"{member.name} did not come up; see {layout.neuron_dir(self.root, member.name)}/log.txt")
-        self.on_event(f"all {len(miners)} miners committed; starting the validator")
-        self._spawn(validator, ["--max-rounds", str(self.options.rounds)])
+        self.on_event(f"all {len(miners)} miners committed; starting "
+                      + ("the validator" if len(validators) == 1 else f"{len(validators)} validators"))
+        for member in validators:
+            self._spawn(member, ["--max-rounds", str(self.options.rounds)])
+
+    def validator_children(self) -> list[Child]:
+        return [c for c in self.children if c.member.role == "validator"]
+
+    def validators_done(self) -> int | None:
+        """None while a validator runs; then the first non-zero exit code, else 0."""
+        codes = [c.process.poll() for c in self.validator_children()]
+        if any(code is None for code in codes):
+            return None
+        return next((code for code in codes if code != 0), 0)
 
     def wait_for_validator(self) -> int:
-        validator = next(c for c in self.children if c.member.role == "validator")
-        deadline = time.monotonic() + 120 + self.options.rounds * self.options.round_timeout_s
+        """Wait until every validator has run its rounds; return the first non-zero exit code, else 0."""
+        # Validators that share the CPU (and the matchmaking window) take longer per round.
+        deadline = (time.monotonic() + 120
+                    + self.options.rounds * self.options.round_timeout_s * max(1, self.options.validators))
         while time.monotonic() < deadline and not self._stopping.is_set():
-            code = validator.process.poll()
+            code = self.validators_done()
             if code is not None:
                 return code
             time.sleep(0.5)
         if self._stopping.is_set():
             return 130
-        raise SandboxError(f"the validator did not finish {self.options.rounds} rounds in time; see {validator.log}")
+        late = [c for c in self.validator_children() if c.process.poll() is None]
+        raise SandboxError(f"{late[0].member.name} did not finish {self.options.rounds} rounds in time; "
+                           f"see {late[0].log}")
 
     def stop_all(self) -> None:
         """SIGINT every neuron (clean shutdown), then kill whatever is left, group and all."""
@@ -301,26 +327,47 @@ def _last_line(path: Path) -> str:
     return lines[-1][-300:] if lines else ""
 
 
+def _validator_view(member: Member, state: dict, chain_weights: dict[int, float]) -> dict:
+    rounds = state.get("recent_rounds", []) if isinstance(state.get("recent_rounds"), list) else []
+    return {"name": member.name, "uid": member.uid, "hotkey": member.hotkey,
+            "rounds": len(rounds), "round_counter": state.get("round_counter"),
+            "statuses": [r.get("status") for r in rounds if isinstance(r, dict)],
+            "weights": {str(uid): float(w) for uid, w in sorted(chain_weights.items())}}
+
+
 def build_summary(root: Path, wall_s: float | None = None) -> dict:
-    """The sandbox's outcome, from the validator's persisted state and the chain."""
+    """The sandbox's outcome, from the validators' persisted state and the chain.
+
+    The rounds and scores shown are the first validator's; every validator is listed under
+    ``validators`` with the weights it set, and each miner's ``weight`` is the stake-weighted
+    mean over validators (what the chain's consensus sees), with ``weights_by_validator``
+    beside it and ``validator_spread`` (the largest per-miner difference) at the top.
+    """
     from dtrain.chain.sandbox import SandboxChain
 
     manifest = layout.read_manifest(root) or {"members": []}
     members = [Member(**m) for m in manifest["members"]]
-    state_files = layout.validator_state_files(root)
-    state = json.loads(state_files[0].read_text()) if state_files else {}
+    validators = [m for m in members if m.role == "validator"]
+    states: dict[str, dict] = {}
+    for path in layout.validator_state_files(root):
+        try:
+            states.setdefault(path.parents[2].name, json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    state = states.get(validators[0].name, {}) if validators else {}
     rounds_raw = state.get("recent_rounds", [])
     by_uid = {m.uid: m for m in members}
-    chain_weights: dict[int, float] = {}
-    validator_uid = next((m.uid for m in members if m.role == "validator"), None)
+    all_weights: dict[int, dict[int, float]] = {}
     try:
         chain = SandboxChain(root, netuid=NETUID)
         try:
-            chain_weights = chain.weights().get(validator_uid, {}) if validator_uid is not None else {}
+            all_weights = chain.weights()
         finally:
             chain.close()
     except Exception:
-        chain_weights = {}
+        all_weights = {}
+    weights_by_validator = {v.name: {int(k): float(w) for k, w in all_weights.get(v.uid, {}).items()}
+                            for v in validators}
     rounds = []
     for r in rounds_raw:
         sent, received = r.get("bytes_sent"), r.get("bytes_received")
@@ -337,12 +384,20 @@ def build_summary(root: Path, wall_s: float | None = None) -> dict:
     last_scores = {int(k): v for k, v in state.get("last_scores", {}).items()}
     ema = {int(k): float(v) for k, v in state.get("ema", {}).items()}
     miners = []
+    spread = 0.0
     for member in members:
         if member.role != "miner":
             continue
         s = last_scores.get(member.uid, {})
+        # Sandbox validators all hold the same stake, so the consensus weight is the plain mean.
+        per_validator = {name: w.get(member.uid, 0.0) for name, w in weights_by_validator.items()}
+        values = list(per_validator.values())
+        if len(values) > 1:
+            spread = max(spread, max(values) - min(values))
         miners.append({"uid": member.uid, "name": member.name, "hotkey": member.hotkey, "kind": member.kind,
-                       "score": ema.get(member.uid, 0.0), "weight": float(chain_weights.get(member.uid, 0.0)),
+                       "score": ema.get(member.uid, 0.0),
+                       "weight": sum(values) / len(values) if values else 0.0,
+                       "weights_by_validator": per_validator,
                        "last_round": s.get("combined"), "outcome": s.get("outcome"), "gated": s.get("gated", []),
                        "components": {k: s.get(k) for k in ("gradient", "steps", "bandwidth", "participation")}})
     curve = []
@@ -360,4 +415,7 @@ def build_summary(root: Path, wall_s: float | None = None) -> dict:
         "verification": {"verify_s": round(verify, 3), "audit_s": round(audit, 3), "train_query_s": round(train, 3),
                          "ratio": round(verify / train, 4) if train else None},
         "uids": {str(uid): m.name for uid, m in by_uid.items()},
+        "validators": [_validator_view(v, states.get(v.name, {}), weights_by_validator.get(v.name, {}))
+                       for v in validators],
+        "validator_spread": round(spread, 6) if len(validators) > 1 else None,
     }

@@ -63,11 +63,15 @@ async def _ping_all(maddrs: Sequence[str], timeout: float, _dht, node) -> int:
     from hivemind.utils.multiaddr import Multiaddr
 
     async def one(maddr: str) -> bool:
-        peer = PeerID.from_base58(_peer_id_of(maddr))
+        peer_id = _peer_id_of(maddr)
+        peer = PeerID.from_base58(peer_id)
+        # p2pd's connect takes the peer id and its *transport* addresses: a multiaddr that
+        # still ends in /p2p/<id> is refused ("length greater than remaining number of bytes").
+        transport = Multiaddr(maddr).decapsulate(Multiaddr(f"/p2p/{peer_id}"))
         try:
             # p2pd forgets addresses it failed to dial at startup; re-dial explicitly.
             # (_client is hivemind's p2pd client; P2P has no public connect().)
-            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(maddr)]), timeout)
+            await asyncio.wait_for(node.p2p._client.connect(peer, [transport]), timeout)
             return (await asyncio.wait_for(node.protocol.call_ping(peer), timeout)) is not None
         except Exception as exc:  # unreachable: counted as a miss, retried later
             logger.debug("swarm: dial %s failed: %r", maddr, exc)

@@ -12,6 +12,17 @@ fsynced; then LATEST is rewritten the same way. Only after that are files older
 than the previous checkpoint removed. A kill at any instant leaves LATEST
 pointing at a complete file whose size and SHA-256 it records; stray temp files
 from a killed writer are ignored and cleaned up by the next save.
+
+Publishing extras (written by miners after a checkpoint, read by ``dtrain push``, so that
+a push from another process produces the same complete Hugging Face repo offline)::
+
+    tokenizer-<digest>/ the tokenizer's own save_pretrained output (content-addressed)
+    PUBLISH             JSON: {"format", "checkpoint": {"seq", "sha256"}, "tokenizer", "facts"}
+
+The tokenizer folder is written under a temp name and renamed complete; PUBLISH is
+replaced atomically afterwards and names the checkpoint it describes. A kill between the
+checkpoint and PUBLISH leaves a PUBLISH that names an older checkpoint, which readers
+ignore (its facts would be wrong): the checkpoint itself is never affected.
 """
 
 from __future__ import annotations
@@ -20,16 +31,20 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dtrain.atomic import fsync_dir, write_bytes
+from dtrain.atomic import fsync_dir, fsync_tree, write_bytes
 from dtrain.training.errors import CheckpointError
 
 FORMAT = "dtrain-checkpoint/1"
 LATEST = "LATEST"
+PUBLISH = "PUBLISH"
+PUBLISH_FORMAT = "dtrain-publish/1"
+_TOKENIZER = re.compile(r"^tokenizer-[0-9a-f]{16}$")
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
@@ -162,3 +177,76 @@ def load_checkpoint(
     elif which != "latest":
         raise ValueError("which must be 'latest' or 'previous'")
     return _verify_and_load(p / m["file"], m["size"], m["sha256"], map_location)
+
+
+# ---------------------------------------------------------------------------- publishing extras
+
+
+def _tree_digest(folder: Path) -> str:
+    """SHA-256 over the names and bytes of a folder's files (same files -> same digest)."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in folder.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(folder)).encode() + b"\0")
+        h.update(p.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def save_publish_info(directory: str | os.PathLike, *, tokenizer: Any = None, facts: dict | None = None) -> None:
+    """Record next to the newest checkpoint what a push needs besides the weights.
+
+    ``tokenizer`` is saved with its own ``save_pretrained`` (once per distinct content);
+    ``facts`` (JSON-serialisable, e.g. dtrain.hub.model_card.CardFacts.to_dict()) describe
+    this checkpoint for the model card. Call it right after :func:`save_checkpoint`.
+    """
+    d = Path(directory)
+    m = read_manifest(d)
+    if m is None:
+        raise CheckpointError(f"no checkpoint in {d} to attach publishing info to; save a checkpoint first")
+    tok_name = None
+    if tokenizer is not None:
+        tmp = d / f".tokenizer.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tokenizer.save_pretrained(str(tmp))
+            tok_name = f"tokenizer-{_tree_digest(tmp)[:16]}"
+            final = d / tok_name
+            if final.is_dir():
+                shutil.rmtree(tmp)  # unchanged since the last save: keep the existing copy
+            else:
+                fsync_tree(tmp)
+                os.rename(tmp, final)
+                fsync_dir(d)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    doc = {"format": PUBLISH_FORMAT, "checkpoint": {"seq": m["seq"], "sha256": m["sha256"]},
+           "tokenizer": tok_name, "facts": facts or {}}
+    write_bytes(d / PUBLISH, json.dumps(doc, indent=1, allow_nan=False).encode())
+    # Only now that PUBLISH names the current copy may other tokenizer copies go.
+    for p in d.iterdir():
+        if (_TOKENIZER.match(p.name) and p.name != tok_name) or p.name.startswith(".tokenizer.tmp-"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_publish_info(directory: str | os.PathLike) -> tuple[Path | None, dict] | None:
+    """(tokenizer folder or None, facts) recorded for the newest checkpoint of ``directory``.
+
+    None when there is nothing, or when what is there describes another checkpoint (the
+    writer was killed between the checkpoint and its publishing info) or is unreadable:
+    the caller then falls back to what it can rebuild, and says "unknown" for the rest.
+    """
+    d = Path(directory)
+    path = d / PUBLISH
+    try:
+        m = read_manifest(d)
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, CheckpointError):
+        return None
+    if (m is None or not isinstance(doc, dict) or doc.get("format") != PUBLISH_FORMAT
+            or doc.get("checkpoint") != {"seq": m["seq"], "sha256": m["sha256"]}):
+        return None
+    name = doc.get("tokenizer")
+    tok = d / name if isinstance(name, str) and _TOKENIZER.match(name) and (d / name).is_dir() else None
+    facts = doc.get("facts")
+    return tok, facts if isinstance(facts, dict) else {}

@@ -138,18 +138,30 @@ def load_pretrained_model(
     revision: str | None = None,
     local_files_only: bool = False,
     cache_dir: str | None = None,
+    key: str | None = None,
+    revision_key: str | None = None,
 ):
     """Load a GPT-2 family model from the Hub (or a local directory) with dropout off.
 
-    Raises ModelLoadError naming the id when it cannot be fetched; there is no
-    fallback to a preset, because training a different model than the swarm's
-    would get every gradient rejected.
+    Raises ModelLoadError saying what is missing and how to get it (not cached while
+    offline, Hub unreachable, no such id or revision; dtrain.training.hub_access) when it
+    cannot be loaded; there is no fallback to a preset, because training a different model
+    than the swarm's would get every gradient rejected. ``key``/``revision_key`` name the
+    config keys in that message.
     """
+    import os
+
     from transformers import GPT2LMHeadModel
 
+    from dtrain.training import hub_access
+
+    revision = revision or None
+    source = os.path.expanduser(model_id)  # from_pretrained does not expand "~"
+    if os.path.isdir(source):
+        revision = None  # a directory has no revisions
     try:
         model = GPT2LMHeadModel.from_pretrained(
-            model_id,
+            source,
             revision=revision,
             local_files_only=local_files_only,
             cache_dir=cache_dir,
@@ -157,11 +169,12 @@ def load_pretrained_model(
         )
     except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors
         raise ModelLoadError(
-            f"could not load model {model_id!r}"
-            + (f" at revision {revision!r}" if revision else "")
-            + f": {type(exc).__name__}: {exc}. Check that the id exists and the Hub "
-            "is reachable (HF_ENDPOINT, network), or configure a built-in preset "
-            f"({', '.join(PRESETS)})."
+            hub_access.explain("model", model_id, exc, revision=revision,
+                               offline=local_files_only or hub_access.offline_mode(), key=key,
+                               revision_key=revision_key)
+            + f" To start from a built-in preset ({', '.join(PRESETS)}) instead, leave {key or 'the model id'} "
+            "empty (only if the whole swarm does).",
+            transient=hub_access.is_outage(exc),
         ) from exc
     return _plain_causal_lm_loss(model)
 

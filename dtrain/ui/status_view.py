@@ -57,10 +57,18 @@ def validators_status_table(validators: list[Mapping[str, Any]]) -> Table:
     t.add_column("uid", justify="right")
     t.add_column("hotkey")
     t.add_column("stake", justify="right")
+    t.add_column("rounds", justify="right")
+    t.add_column("weights set (uid: weight)", overflow="fold")
     for v in sorted(validators, key=lambda v: (v.get("uid") is None, v.get("uid") or 0)):
-        t.add_row(str(v.get("uid", "—")), short_hotkey(v.get("hotkey")), fmt_num(v.get("stake"), 6))
+        weights = v.get("weights") if isinstance(v.get("weights"), Mapping) else {}
+        shown = "  ".join(f"{uid}: {fmt_num(w, 3)}" for uid, w in list(weights.items())[:12])
+        if len(weights) > 12:
+            shown += f"  … {len(weights) - 12} more"
+        rounds = v.get("rounds")
+        t.add_row(str(v.get("uid", "—")), short_hotkey(v.get("hotkey")), fmt_num(v.get("stake"), 6),
+                  "—" if rounds is None else str(rounds), shown or Text("none yet", style="dim"))
     if not validators:
-        t.add_row(Text("no validators", style="dim"), "", "")
+        t.add_row(Text("no validators", style="dim"), "", "", "", "")
     return t
 
 

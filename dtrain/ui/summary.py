@@ -119,6 +119,28 @@ def _miners_table(miners: list[Mapping[str, Any]], ratio: float) -> RenderableTy
     return t
 
 
+def _validators_table(doc: Mapping[str, Any]) -> RenderableType | None:
+    """One row per validator: rounds run and the weights it set. Shown when there are several."""
+    validators = list(doc.get("validators") or [])
+    if len(validators) < 2:
+        return None
+    names = {str(uid): name for uid, name in (doc.get("uids") or {}).items()}
+    t = compact_table("Validators (independent; each sets its own weights)")
+    t.add_column("validator", no_wrap=True)
+    t.add_column("uid", justify="right", no_wrap=True)
+    t.add_column("rounds", justify="right", no_wrap=True)
+    t.add_column("weights set (miner: weight)", overflow="fold")
+    for v in validators:
+        weights = v.get("weights") or {}
+        shown = "  ".join(f"{names.get(str(uid), uid)}: {float(w):.3f}" for uid, w in weights.items())
+        t.add_row(str(v.get("name")), str(v.get("uid")), str(v.get("rounds")),
+                  shown or Text("no weights set", style="dim"))
+    spread = doc.get("validator_spread")
+    if isinstance(spread, (int, float)):
+        t.caption = f"largest difference between validators' weights for one miner: {spread:.4f}"
+    return t
+
+
 def render_summary(doc: Mapping[str, Any], ratio: float = ADVERSARY_RATIO) -> RenderableType:
     """The whole closing summary of ``dtrain sandbox``."""
     ok, why = verdict(doc, ratio)
@@ -130,5 +152,9 @@ def render_summary(doc: Mapping[str, Any], ratio: float = ADVERSARY_RATIO) -> Re
     line = Text()
     line.append("PASS " if ok else "FAIL ", style="bold green" if ok else "bold red")
     line.append(why, style="green" if ok else "red")
-    return Group(head, _loss_panel(doc.get("loss") or {}), _rounds_table(rounds),
-                 _miners_table(list(doc.get("miners") or []), ratio), line)
+    parts: list[RenderableType] = [head, _loss_panel(doc.get("loss") or {}), _rounds_table(rounds),
+                                   _miners_table(list(doc.get("miners") or []), ratio)]
+    validators = _validators_table(doc)
+    if validators is not None:
+        parts.append(validators)
+    return Group(*parts, line)

@@ -167,6 +167,29 @@ def page_audit(entry, comparison) -> PageAudit:
 PROBATION_ROUNDS = 10
 
 
+# Rounds in a row a validator may leave unscored as overtaken; after that it scores anyway, so
+# neither misfortune nor miners answering with made-up epochs can stall its scoring.
+MAX_OVERTAKEN_IN_A_ROW = 3
+
+
+def overtaken_by(round_averaged: bool, our_epoch: int, answer_epochs: Sequence[int], asked: int) -> int | None:
+    """The epoch to catch up to when another validator's round overtook ours, else None.
+
+    Validators run rounds independently. A validator that reached the miners after they had
+    averaged this epoch in another validator's group finds no group of its own, and the miners
+    answer its AllReduce query from the next epoch. That is no evidence against them, so the
+    round is neither scored nor counted. Only a round that averaged nothing qualifies, and only
+    when most of the ``asked`` miners (not merely of those that answered) report exactly the
+    next epoch: one miner, or a few claiming some far epoch, cannot void a round.
+    """
+    if round_averaged or asked <= 0:
+        return None
+    nxt = our_epoch + 1
+    if sum(1 for e in answer_epochs if e == nxt) * 2 <= asked:
+        return None
+    return nxt
+
+
 def on_probation(probation: dict[str, int], hotkey: str, round_no: int) -> bool:
     """Whether ``hotkey`` is on probation in round ``round_no``."""
     until = probation.get(hotkey)
