@@ -37,6 +37,14 @@ def fsync_tree(folder: str | os.PathLike) -> None:
     fsync_dir(folder)
 
 
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Make the finished folder ``tmp`` appear as ``final`` (same filesystem), durably:
+    its files are on disk before the name is, and the name is on disk when this returns."""
+    fsync_tree(tmp)
+    os.rename(tmp, final)
+    fsync_dir(Path(final).parent)
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -460,13 +460,10 @@ class Miner(NeuronBase):
         from dtrain.training.checkpoint import save_publish_info
 
         try:
-            save_publish_info(self.dir / "checkpoints", tokenizer=self._tokenizer(),
+            save_publish_info(self.dir / "checkpoints", tokenizer=self.bench.reader.tokenizer,
                               facts={"tokenizer": self.bench.tokenizer_info.name, "last_round": self._card_round})
         except Exception as exc:  # noqa: BLE001 - the checkpoint itself is saved; keep training
             log.warning("publishing info not saved with the checkpoint: %r", exc)
-
-    def _tokenizer(self):
-        return self.bench.reader.tokenizer  # the one pages are built with, so the one to publish
 
     def _push(self) -> None:
         if self.pusher is None:
@@ -482,7 +479,7 @@ class Miner(NeuronBase):
                                param_count=self.bench.param_count, tokenizer_name=self.bench.tokenizer_info.name,
                                last_round=self._card_round)
             with self.model_lock:
-                folder = export_for_push(self.dir / "export", tag, self.bench.model, self._tokenizer(), facts)
+                folder = export_for_push(self.dir / "export", tag, self.bench.model, self.bench.reader.tokenizer, facts)
         except Exception as exc:  # noqa: BLE001 - a failed export skips one push, never the training
             self.tel.event(f"export of {tag} for the model store failed: {exc!r}")
             return

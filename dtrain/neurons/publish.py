@@ -208,7 +208,7 @@ def export_for_push(export_root: str | Path, tag: str, model: Any, tokenizer: An
     """
     import os
 
-    from dtrain.atomic import fsync_dir, fsync_tree
+    from dtrain.atomic import publish_dir
     from dtrain.hub.tags import parse_tag
 
     parse_tag(tag)
@@ -220,10 +220,7 @@ def export_for_push(export_root: str | Path, tag: str, model: Any, tokenizer: An
     if not final.is_dir():
         try:
             write_model_repo(tmp, model, tokenizer, facts)
-            # durable before it is visible: a folder is never rewritten once it has its name
-            fsync_tree(tmp)
-            os.rename(tmp, final)
-            fsync_dir(root)
+            publish_dir(tmp, final)  # a folder is never rewritten once it has its name
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -330,7 +330,7 @@ def _last_line(path: Path) -> str:
 def _validator_view(member: Member, state: dict, chain_weights: dict[int, float]) -> dict:
     rounds = state.get("recent_rounds", []) if isinstance(state.get("recent_rounds"), list) else []
     return {"name": member.name, "uid": member.uid, "hotkey": member.hotkey,
-            "rounds": len(rounds), "round_counter": state.get("round_counter"),
+            "round_counter": state.get("round_counter"),
             "statuses": [r.get("status") for r in rounds if isinstance(r, dict)],
             "weights": {str(uid): float(w) for uid, w in sorted(chain_weights.items())}}
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from dtrain.atomic import fsync_dir, fsync_tree, write_bytes
+from dtrain.atomic import fsync_dir, publish_dir, write_bytes
 from dtrain.training.errors import CheckpointError
 
 FORMAT = "dtrain-checkpoint/1"
@@ -214,9 +214,7 @@ def save_publish_info(directory: str | os.PathLike, *, tokenizer: Any = None, fa
             if final.is_dir():
                 shutil.rmtree(tmp)  # unchanged since the last save: keep the existing copy
             else:
-                fsync_tree(tmp)
-                os.rename(tmp, final)
-                fsync_dir(d)
+                publish_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

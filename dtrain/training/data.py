@@ -200,7 +200,7 @@ def _hub_dataset_problem(source: DataSource, exc: BaseException) -> str:
     Unlike a tokenizer, a dataset like FineWeb is far too large to download whole, so the
     offline answer is a few parquet shards used as a local source, never "download it".
     """
-    from dtrain.training.hub_access import NO_SUCH_REPO, NO_SUCH_REVISION, classify, endpoint
+    from dtrain.training.hub_access import NO_SUCH_REPO, NO_SUCH_REVISION, classify, endpoint, explain
 
     head = f"could not open the dataset data.dataset = {source.path!r}" + (
         f" (config {source.name!r})" if source.name else "") + (
@@ -213,13 +213,10 @@ def _hub_dataset_problem(source: DataSource, exc: BaseException) -> str:
     if _hub_offline():
         return (f"{head}: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set, and streaming a Hub dataset needs the "
                 f"Hub. Unset it, or {local}. ({detail})")
-    kind = classify(exc)
-    if kind == NO_SUCH_REPO:
-        return (f"{head}: the Hub ({endpoint()}) has no dataset {source.path!r} (or it is private: set HF_TOKEN). "
-                f"Check data.dataset. ({detail})")
-    if kind == NO_SUCH_REVISION:
-        return (f"{head}: the dataset has no revision {source.revision!r}. Check data.dataset_revision (a branch, "
-                f"tag or commit). ({detail})")
+    if classify(exc) in (NO_SUCH_REPO, NO_SUCH_REVISION):
+        # worded like a missing tokenizer or model: no download advice applies to these
+        return explain("dataset", source.path, exc, revision=source.revision or None, repo_type="dataset",
+                       key="data.dataset", revision_key="data.dataset_revision") + f" ({detail})"
     return (f"{head}: {detail}. Check data.dataset, data.dataset_config and data.dataset_revision and that the "
             f"Hub ({endpoint()}) is reachable (network, proxy, or HF_ENDPOINT for a mirror); or {local}.")
 

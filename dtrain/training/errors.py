@@ -30,6 +30,14 @@ class DataSourceError(TrainingError):
     """A dataset could not be opened or read (wrong name, unreachable Hub, missing files)."""
 
 
+class CheckpointError(TrainingError):
+    """A checkpoint is missing, corrupt, or does not match the model."""
+
+
+class TrainerStateError(TrainingError):
+    """The trainer was used out of order (e.g. step() with nothing accumulated)."""
+
+
 # Words in exception class names of HTTP stacks (aiohttp, httpx, urllib3, fsspec) that
 # mean "the network failed", for errors that do not derive from OSError.
 _TRANSIENT_NAMES = ("timeout", "connect", "transport", "network", "disconnect", "remoteprotocol",
@@ -38,13 +46,25 @@ _TRANSIENT_NAMES = ("timeout", "connect", "transport", "network", "disconnect", 
 _TRANSIENT_STATUS = (408, 425, 429)
 
 
-def _http_status(exc: BaseException) -> int | None:
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries (its own or its response's), if any."""
     for obj in (exc, getattr(exc, "response", None)):
         for attr in ("status_code", "status"):
             value = getattr(obj, attr, None)
             if isinstance(value, int) and 100 <= value < 600:
                 return value
     return None
+
+
+def cause_chain(exc: BaseException, limit: int = 12) -> list[BaseException]:
+    """``exc`` and what caused it, outermost first (``__cause__``, else ``__context__``):
+    libraries wrap the network error that decides what to do in their own exceptions."""
+    out: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(out) < limit and all(current is not e for e in out):
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -56,20 +76,14 @@ def is_transient(exc: BaseException) -> bool:
     unrecognised counts as permanent, so a misconfiguration fails fast instead of
     retrying for ever.
     """
-    if isinstance(exc, DataSourceError):
-        return exc.transient  # decided where it was raised
-    chain: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and len(chain) < 8 and current not in chain:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
+    chain = cause_chain(exc)
     for e in chain:
-        if isinstance(e, DataSourceError):
-            return e.transient
+        if isinstance(e, TrainingError):
+            return e.transient  # decided where it was raised
         if "offlinemodeisenabled" in (c.__name__.lower() for c in type(e).__mro__):
             return False  # HF_HUB_OFFLINE is a setting, not an outage
     for e in chain:
-        status = _http_status(e)
+        status = http_status(e)
         if status is not None:
             return status >= 500 or status in _TRANSIENT_STATUS
     for e in chain:
@@ -83,25 +97,13 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-class CheckpointError(TrainingError):
-    """A checkpoint is missing, corrupt, or does not match the model."""
-
-
-class TrainerStateError(TrainingError):
-    """The trainer was used out of order (e.g. step() with nothing accumulated)."""
-
-
 def describe_error(exc: BaseException) -> str:
     """``Type: message``, plus the HTTP status from the chain of causes when the message
     hides it (fsspec reports a 503 as ``FileNotFoundError: <url>``)."""
     text = f"{type(exc).__name__}: {exc}"
-    current: BaseException | None = exc
-    for _ in range(8):
-        if current is None:
-            break
-        status = _http_status(current)
+    for e in cause_chain(exc):
+        status = http_status(e)
         if status is not None:
             return text if str(status) in text else f"{text} (HTTP {status})"
-        current = current.__cause__ or current.__context__
     return text
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dtrain.training.errors import cause_chain, http_status
+
 # kinds returned by classify()
 OFFLINE_MISSING = "offline-missing"
 UNREACHABLE = "unreachable"
@@ -81,26 +83,8 @@ def looks_like_path(name: str) -> bool:
         or os.path.exists(name)
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and len(out) < 12 and all(current is not e for e in out):
-        out.append(current)
-        current = current.__cause__ or current.__context__
-    return out
-
-
 def _names(e: BaseException) -> list[str]:
     return [c.__name__ for c in type(e).__mro__]
-
-
-def _status(e: BaseException) -> int | None:
-    response = getattr(e, "response", None)
-    for obj in (response, e):
-        value = getattr(obj, "status_code", None)
-        if isinstance(value, int) and 100 <= value < 600:
-            return value
-    return None
 
 
 def classify(exc: BaseException, *, offline: bool = False) -> str:
@@ -111,7 +95,7 @@ def classify(exc: BaseException, *, offline: bool = False) -> str:
     first: a 404 naming the repo or revision beats the generic "not in the local cache"
     that transformers reports for every failure.
     """
-    chain = _chain(exc)
+    chain = cause_chain(exc)
     names = [n for e in chain for n in _names(e)]
     if "RevisionNotFoundError" in names:
         return NO_SUCH_REVISION
@@ -122,7 +106,7 @@ def classify(exc: BaseException, *, offline: bool = False) -> str:
                                                and "LocalEntryNotFoundError" not in names):
         return NO_SUCH_FILE
     for e in chain:
-        status = _status(e)
+        status = http_status(e)
         if status is not None and (status >= 500 or status in (408, 429)):
             return UNREACHABLE
         if isinstance(e, (ConnectionError, TimeoutError)) or any(
@@ -188,7 +172,7 @@ def explain(what: str, repo_id: str, exc: BaseException, *, revision: str | None
                 f"downloaded. Download it once where the Hub is reachable: `{cmd}` (with the same HF_HOME, or "
                 f"copy that cache directory here), {undo}.")
     if kind == UNREACHABLE:
-        root = _chain(exc)[-1]  # the refused connection or HTTP 5xx, not transformers' wrapper
+        root = cause_chain(exc)[-1]  # the refused connection or HTTP 5xx, not transformers' wrapper
         reason = f"({type(root).__name__}: {_first_line(root)})"
         return (f"{head}: the Hugging Face Hub ({endpoint()}) could not be reached {reason} and it is not in the "
                 f"local cache ({cache}). Check the network or proxy, or set HF_ENDPOINT to a mirror; or download "

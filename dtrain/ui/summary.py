@@ -133,7 +133,7 @@ def _validators_table(doc: Mapping[str, Any]) -> RenderableType | None:
     for v in validators:
         weights = v.get("weights") or {}
         shown = "  ".join(f"{names.get(str(uid), uid)}: {float(w):.3f}" for uid, w in weights.items())
-        t.add_row(str(v.get("name")), str(v.get("uid")), str(v.get("rounds")),
+        t.add_row(str(v.get("name")), str(v.get("uid")), str(v.get("round_counter")),
                   shown or Text("no weights set", style="dim"))
     spread = doc.get("validator_spread")
     if isinstance(spread, (int, float)):
