@@ -180,3 +180,35 @@ def test_a_large_commitment_reaches_the_averager_whole(nodes):
         assert all(p.outcome == Outcome.SUCCESS for p in r.peers)
     for d in data:
         torch.testing.assert_close(d[0], expected, rtol=0, atol=1e-6)
+
+
+def test_a_peer_of_another_epoch_owns_no_share_and_sits_the_round_out(nodes):
+    """A validator that lands in a later epoch's group (the group key names no epoch) must not
+    reduce a share under its own epoch's rules, nor apply the others' average."""
+    torch.manual_seed(5)
+    data = [[torch.randn(3000)] for _ in range(3)]
+    reports = [honest_report(t, 8) for t in data]
+    cfg = _cfg(4)
+    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg) for i in range(3)]
+    late = [torch.full((3000,), 7.0)]
+    swarms.append(GradientSwarm(nodes[3].dht, late, "model-a", cfg))
+    stale = work_nonce("commit-test", 2)
+    try:
+        recs = run_concurrently([
+            *[lambda i=i: swarms[i].run_round(data[i], weight=8, cap=100, work=reports[i], work_nonce=NONCE)
+              for i in range(3)],
+            lambda: swarms[3].run_round(late, weight=0.0, cap=0.0, work=WorkReport(epoch=2), work_nonce=stale),
+        ])
+    finally:
+        for s in swarms:
+            s.shutdown()
+    mean = torch.stack([d[0] for d in data]).mean(0)
+    for i, r in enumerate(recs[:3]):
+        assert r.ok and r.fraction_averaged == 1.0, r
+        assert r.outcome_of(swarms[3].peer_id) == Outcome.FAIL
+        assert _reason(r, swarms[3].peer_id) == "work committed under another epoch's nonce"
+        assert torch.allclose(data[i][0], mean, atol=1e-5)  # the three averaged among themselves
+    odd = recs[3]
+    assert not odd.ok and "another epoch than the group (3 of 3 peers" in odd.error
+    assert torch.equal(late[0], torch.full((3000,), 7.0))  # nothing of another epoch was applied
+    assert {r.epoch for pid, r in odd.work_reports.items() if pid != swarms[3].peer_id} == {3}

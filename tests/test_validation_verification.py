@@ -166,6 +166,12 @@ def test_a_round_overtaken_by_another_validators_round_is_not_held_against_miner
     # only the epoch the missed round produced counts: made-up far epochs void nothing
     assert overtaken_by(False, 4, [10**9, 10**9, 10**9], asked=3) is None
     assert overtaken_by(False, 4, [4, 4, 3], asked=3) is None
+    # landed in a later epoch's group (the swarm sat this validator out): most asked miners
+    # committed epoch 6 there, so they are at 7 now, whatever they answered
+    assert overtaken_by(False, 4, [8, 8, 8], asked=3, committed_epochs=[6, 6, 5]) == 7
+    assert overtaken_by(True, 4, [], asked=3, committed_epochs=[6, 6, 6]) is None
+    assert overtaken_by(False, 4, [], asked=3, committed_epochs=[6]) is None  # a majority of those asked
+    assert overtaken_by(False, 4, [], asked=3, committed_epochs=[4, 4, 3]) is None
 
 
 def test_validators_start_rounds_on_a_shared_clock():

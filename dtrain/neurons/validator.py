@@ -210,15 +210,16 @@ class Validator(NeuronBase):
         self.stop.wait(max(0.0, allreduce_start(self._slot_start, self.cfg.validator.round_interval_s) - time.time()))
         self.tel.update(state=f"round {round_no}: all-reduce")
         record, averaged = self._allreduce(probes, round_no)
-        overtaken = overtaken_by(record.ok, self.epoch, [p.allreduce.epoch for p in probes if p.allreduce is not None],
-                                 asked=len(probes))
+        answers = [p.allreduce.epoch for p in probes if p.allreduce is not None]
+        committed = [record.work_reports[p.peer_id].epoch for p in probes if p.peer_id in record.work_reports]
+        overtaken = overtaken_by(record.ok, self.epoch, answers, asked=len(probes), committed_epochs=committed)
         self._overtaken_in_a_row = self._overtaken_in_a_row + 1 if overtaken is not None else 0
         if overtaken is not None and self._overtaken_in_a_row <= MAX_OVERTAKEN_IN_A_ROW:
-            # Another validator's round ran this epoch without us (we were late to its group): the
-            # miners took part in it, so this round is no evidence against them. Catch up to
-            # their epoch and run the round again, scoring nothing now.
-            self.tel.event(f"round {round_no}: the miners already averaged epoch {self.epoch} in another "
-                           f"validator's round and are at epoch {overtaken}; catching up, not scoring")
+            # Another validator's round ran without us (we were late to its group, or landed in a
+            # later epoch's group): the miners are ahead, so this round is no evidence against
+            # them. Catch up to their epoch and run the round again, scoring nothing now.
+            self.tel.event(f"round {round_no}: the miners averaged epoch {self.epoch} in another validator's "
+                           f"round and are at epoch {overtaken}; catching up, not scoring")
             self.tel.round_finished(record.to_dict())
             if self._catch_up(CatchUpTarget(epoch=overtaken)):
                 self._save_checkpoint(uid=0)

@@ -61,7 +61,7 @@ def validator_names(count: int) -> list[str]:
     return ["validator"] if count == 1 else [f"validator{i}" for i in range(1, count + 1)]
 
 
-def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
+def neuron_config(root: Path, member: Member, total_miners: int, validators: int = 1) -> Config:
     """The config every sandbox neuron runs with: tiny model, shipped text, loopback only."""
     cfg = Config()
     cfg.wallet.name, cfg.wallet.hotkey, cfg.wallet.path = member.name, "default", str(layout.wallets_dir(root))
@@ -78,6 +78,11 @@ def neuron_config(root: Path, member: Member, total_miners: int) -> Config:
     v = cfg.validator
     v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 1, 0.5
     v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
+    if validators > 1:
+        # Several validators meet in one all-reduce by starting it half-way through a shared
+        # slot (docs/protocol.md): the slot must outlast their checks, or the faster one's
+        # round runs first and the slower one only catches up.
+        v.round_interval_s = 8.0
     a = cfg.allreduce
     a.min_group_size, a.target_group_size = 2, 64
     a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 3.0, 30.0
@@ -151,7 +156,7 @@ class Sandbox:
         for member in members:
             ndir = layout.neuron_dir(self.root, member.name)
             ndir.mkdir(parents=True, exist_ok=True)
-            save_config(neuron_config(self.root, member, total_miners), ndir / "config.toml", overwrite=True)
+            save_config(neuron_config(self.root, member, total_miners, self.options.validators), ndir / "config.toml", overwrite=True)
         layout.store_dir(self.root).mkdir(exist_ok=True)
         layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,
                                                    "netuid": NETUID, "run_id": RUN_ID,

@@ -552,6 +552,23 @@ class _DtrainAverager(DecentralizedAverager):
                 None, self._check_commitments, users, mine, compatible, claimed, kwargs)
             for i in unbound:
                 used[i], modes[i] = 0.0, AveragingMode.AUX
+            # The group has no epoch in its matchmaking key, so a peer that is late (or early)
+            # can land in another epoch's group. When most of the others committed under
+            # another nonce, this peer is the odd one: everyone else gives it no share, and its
+            # record says so instead of averaging something of another epoch.
+            others = [i for i in (commitments or {}) if i != me]
+            elsewhere = [i for i in others if commitments[i].nonce != mine["commit"]["nonce"]]
+            if others and 2 * len(elsewhere) > len(others):
+                # Sit the round out: the others give this peer no share and expect nothing from it.
+                reason = (f"this peer is at another epoch than the group ({len(elsewhere)} of {len(others)} peers "
+                          "committed under another epoch's nonce)")
+                return dict(gathered=None, report=dict(
+                    round_id=group_info.group_id.hex(), group=[str(p) for p in group_info.peer_ids],
+                    peers=[dict(peer_id=str(p), outcome=Outcome.FAIL.value, weight_claimed=claimed[i], weight_used=0.0,
+                                reason=unbound.get(i, "")) for i, p in enumerate(group_info.peer_ids) if i != me],
+                    bytes_sent=0, bytes_received=0, fraction_averaged=0.0, total_weight=0.0, allreduce_s=0.0,
+                    out_of_step=reason,
+                    work_reports={str(group_info.peer_ids[i]): c.report for i, c in commitments.items()}))
             download_bandwidths = [
                 (bw if mode == AveragingMode.NODE else 0.0) for bw, mode in zip(bandwidths, modes)
             ]
@@ -626,7 +643,7 @@ class _DtrainAverager(DecentralizedAverager):
         peer index to the reason its contribution is refused. A pure function of the gathered
         data, so every honest peer reaches the same verdicts.
         """
-        from dtrain.swarm.contribution import Commitment, binding_verdict
+        from dtrain.swarm.contribution import OTHER_EPOCH, Commitment, binding_verdict
         from dtrain.training.work import WorkReportError
 
         own = mine.get("commit")
@@ -650,8 +667,12 @@ class _DtrainAverager(DecentralizedAverager):
             if claimed[i] > 0 and (required or data is not None):
                 reason = reason or binding_verdict(parsed, weight=claimed[i], nonce=own.get("nonce"),
                                                    compression=str(mine.get("comp", "none")))
-                if reason:
-                    unbound[i] = reason
+            elif parsed is not None and parsed.nonce != own.get("nonce"):
+                # A weight-0 peer (a validator) of another epoch brings nothing to average but
+                # would reduce a share under its own epoch's rules: it owns none.
+                reason = OTHER_EPOCH
+            if reason:
+                unbound[i] = reason
         return commitments, unbound
 
     def _report(self, group_info, runner: _DtrainRunner, modes, compatible, claimed, used, out_of_scale=(),
@@ -873,9 +894,12 @@ class GradientSwarm:
             record.total_weight = rep["total_weight"]
             record.allreduce_s = rep["allreduce_s"]
             record.work_reports = dict(rep.get("work_reports") or {})
-            with self._averager.get_tensors() as bufs:
-                for b, t in zip(bufs, tensors):
-                    t.copy_(b.to(device=t.device, dtype=t.dtype))
+            if rep.get("out_of_step"):
+                record.error = rep["out_of_step"]  # nothing of this group is ours to apply
+            else:
+                with self._averager.get_tensors() as bufs:
+                    for b, t in zip(bufs, tensors):
+                        t.copy_(b.to(device=t.device, dtype=t.dtype))
         missing = [p for p in expected_peers if p not in record.group]
         if missing:
             alive = self._reachable(missing)

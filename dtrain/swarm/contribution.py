@@ -112,6 +112,10 @@ class Commitment:
         return {"nonce": self.nonce, "work": self.report.to_wire(), "claims": self.claims.astype("<f4").tobytes()}
 
 
+# Why a peer of another epoch is refused (gather check; dtrain.swarm.averaging).
+OTHER_EPOCH = "work committed under another epoch's nonce"
+
+
 def binding_error(commitment: Commitment) -> float:
     """||sum of claims - report mean sketch|| / ||report mean sketch|| (inf if undefined)."""
     folded = commitment.claims.astype(np.float64).sum(axis=0)
@@ -128,7 +132,7 @@ def binding_verdict(commitment: Optional[Commitment], *, weight: float, nonce: s
     if commitment is None:
         return "no work commitment"
     if commitment.nonce != nonce:
-        return "work committed under another epoch's nonce"
+        return OTHER_EPOCH
     if weight > commitment.report.samples:
         return f"claims weight {weight:g} but committed {commitment.report.samples} samples"
     err = binding_error(commitment)

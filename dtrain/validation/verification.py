@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -172,18 +173,25 @@ PROBATION_ROUNDS = 10
 MAX_OVERTAKEN_IN_A_ROW = 3
 
 
-def overtaken_by(round_averaged: bool, our_epoch: int, answer_epochs: Sequence[int], asked: int) -> int | None:
+def overtaken_by(round_averaged: bool, our_epoch: int, answer_epochs: Sequence[int], asked: int,
+                 committed_epochs: Sequence[int] = ()) -> int | None:
     """The epoch to catch up to when another validator's round overtook ours, else None.
 
     Validators run rounds independently. A validator that reached the miners after they had
-    averaged this epoch in another validator's group finds no group of its own, and the miners
-    answer its AllReduce query from the next epoch. That is no evidence against them, so the
-    round is neither scored nor counted. Only a round that averaged nothing qualifies, and only
-    when most of the ``asked`` miners (not merely of those that answered) report exactly the
-    next epoch: one miner, or a few claiming some far epoch, cannot void a round.
+    averaged this epoch in another validator's round either finds no group of its own (the
+    miners then answer its AllReduce query from the next epoch), or lands in the group of a
+    later epoch's round (the group's commitments name that epoch, and the swarm sits this
+    peer out). Neither is evidence against the miners, so the round is neither scored nor
+    counted. Only a round that averaged nothing qualifies, and only when most of the
+    ``asked`` miners (not merely of those that answered) say so: one miner, or a few
+    claiming some far epoch in their answers, cannot void a round.
     """
     if round_averaged or asked <= 0:
         return None
+    later = [e for e in committed_epochs if e > our_epoch]
+    if 2 * len(later) > asked:
+        # the group was averaging that epoch; its peers are one past it now
+        return Counter(later).most_common(1)[0][0] + 1
     nxt = our_epoch + 1
     if sum(1 for e in answer_epochs if e == nxt) * 2 <= asked:
         return None
