@@ -37,15 +37,28 @@ def test_both_validators_finish_every_round(run):
     assert doc["exit_codes"] and all(code == 0 for code in doc["exit_codes"].values()), doc["exit_codes"]
 
 
+def _rounds_seen_by_each_validator(root) -> str:
+    """Each validator's per-round view of every miner, so a disagreement names its cause."""
+    lines = []
+    for path in sorted(root.glob("neurons/*/data/validator-*/state.json")):
+        state = json.loads(path.read_text())
+        lines.append(f"{path.parents[2].name}: ema {state.get('ema')}")
+        for r in state.get("recent_rounds", []):
+            rows = [(m["uid"], m["outcome"], m["score"], m["gated"], m["note"]) for m in r.get("miners", [])]
+            lines.append(f"  round {r.get('round')} epoch {r.get('epoch')} {r.get('status')}: {rows}")
+    return "\n".join(lines)
+
+
 def test_their_weight_vectors_agree_within_0_05_per_miner(run):
-    _, doc = run
+    root, doc = run
     miners = doc["miners"]
     assert len(miners) == 3
+    seen = _rounds_seen_by_each_validator(root)
     for m in miners:
         per_validator = m["weights_by_validator"]
         assert set(per_validator) == {"validator1", "validator2"}
-        assert all(w > 0 for w in per_validator.values()), m  # each validator paid every honest miner
-        assert abs(per_validator["validator1"] - per_validator["validator2"]) <= 0.05, m
+        assert all(w > 0 for w in per_validator.values()), (m, seen)  # each validator paid every honest miner
+        assert abs(per_validator["validator1"] - per_validator["validator2"]) <= 0.05, (m, seen)
     assert doc["validator_spread"] <= 0.05
     for v in doc["validators"]:
         assert abs(sum(v["weights"].values()) - 1.0) < 1e-6, v

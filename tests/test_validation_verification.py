@@ -174,6 +174,43 @@ def test_a_round_overtaken_by_another_validators_round_is_not_held_against_miner
     assert overtaken_by(False, 4, [], asked=3, committed_epochs=[4, 4, 3]) is None
 
 
+def test_a_miner_that_steps_mid_check_is_stale_evidence_not_a_failure():
+    from dtrain.validation.verification import MAX_OVERTAKEN_IN_A_ROW, excuse_moved_on, moved_on_during_checks
+
+    # at our epoch when the round began, at the next one now: another validator's round ran
+    assert moved_on_during_checks(4, 4, 5)
+    assert moved_on_during_checks(4, 4, 6)
+    # still at our epoch (a genuinely wrong answer), never re-read, or already ahead at the start
+    assert not moved_on_during_checks(4, 4, 4)
+    assert not moved_on_during_checks(4, 4, None)
+    assert not moved_on_during_checks(5, 4, 6)  # "ahead" from the start is handled as ahead
+    assert not moved_on_during_checks(None, 4, 5)
+
+    # excused only when it also missed our group, and only a few rounds in a row
+    assert excuse_moved_on(True, Outcome.NON_PARTICIPATING, 1)
+    assert excuse_moved_on(True, "NOT_ALIVE", MAX_OVERTAKEN_IN_A_ROW)
+    assert not excuse_moved_on(True, Outcome.NON_PARTICIPATING, MAX_OVERTAKEN_IN_A_ROW + 1)
+    # averaged our epoch with us, so it cannot have moved on before our checks: its claim is false
+    assert not excuse_moved_on(True, Outcome.SUCCESS, 1)
+    assert not excuse_moved_on(False, Outcome.NON_PARTICIPATING, 1)
+
+
+def test_an_excused_miner_keeps_its_score_and_a_failed_check_still_gates():
+    cfg = ScoringConfig()
+    honest = round_input(checks=[OK, OK], shared_peer_id=False, work=WorkVerdict(64), claimed_weight=64,
+                         outcome=Outcome.SUCCESS, slice_bps=1e7)
+    # excused: no checks and no outcome, so the round says nothing about it (its EMA stays)
+    excused = round_input(checks=None, shared_peer_id=False, work=None, claimed_weight=None, outcome=None,
+                          slice_bps=0.0)
+    # not excused: the failed Train answer is an empty check and it missed the round
+    failed = round_input(checks=[], shared_peer_id=False, work=None, claimed_weight=None,
+                         outcome=Outcome.NON_PARTICIPATING, slice_bps=0.0)
+    scores = score_round({1: honest, 2: excused, 3: failed}, cfg)
+    assert scores[1].combined > 0.9
+    assert scores[2].combined is None and scores[2].gated == ()
+    assert scores[3].combined == 0.0 and scores[3].gated
+
+
 def test_validators_start_rounds_on_a_shared_clock():
     from dtrain.neurons.deadlines import next_round_start
 

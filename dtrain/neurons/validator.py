@@ -66,6 +66,7 @@ class Probe:
     slice_check: tuple | None = None
     replica_distance: float | None = None  # of its state slice from ours (dtrain.training.replica)
     work: object | None = None  # its WorkVerdict (dtrain.validation.verification), after the audit
+    moved_on: bool = False  # it stepped to a later epoch while we were checking it (another validator's round)
 
 
 class Validator(NeuronBase):
@@ -75,6 +76,7 @@ class Validator(NeuronBase):
         super().__init__(cfg, telemetry, stop)
         self.max_rounds = max_rounds
         self._overtaken_in_a_row = 0  # rounds left unscored because another validator's round ran first
+        self._moved_on_in_a_row: dict[str, int] = {}  # hotkey -> rounds in a row it moved on mid-check
         self._slot_start = time.time()  # when the current round's slot began (the shared round clock)
 
     # ------------------------------------------------------------------ lifecycle
@@ -198,6 +200,9 @@ class Validator(NeuronBase):
         self._round_rms = params_rms(self.trainer.params)
         with ThreadPoolExecutor(max_workers=min(8, len(probes))) as pool:
             list(pool.map(lambda p: self._probe(p, nonce), probes))
+        for probe in probes:
+            self._check_slice(probe)
+        self._spot_moved_on(probes)
         t0 = time.perf_counter()
         for probe in probes:
             self._verify(probe, nonce)
@@ -286,13 +291,44 @@ class Validator(NeuronBase):
         this replica is the one that drifted. Take a peer's state at our epoch."""
         from dtrain.training.replica import within_tolerance
 
-        measured = [p.replica_distance for p in probes if p.replica_distance is not None]
+        # A miner that stepped while we read its slice did not drift, and neither did we.
+        measured = [p.replica_distance for p in probes if p.replica_distance is not None and not p.moved_on]
         far = [d for d in measured if not within_tolerance(d)]
         if len(measured) >= 2 and len(far) * 2 > len(measured):
             self.tel.event(f"{len(far)} of {len(measured)} miners are beyond the replica tolerance from this "
                            "validator: resynchronising from peers")
             if self._catch_up(CatchUpTarget(epoch=self.epoch)):
                 self._save_checkpoint(uid=0)
+
+    def _spot_moved_on(self, probes: list[Probe]) -> None:
+        """Ask again where the miners whose answers did not fit our epoch are now: one that has
+        stepped since this round's status query was averaged by another validator's round in
+        the middle of our checks, which makes those answers stale rather than wrong."""
+        from dtrain.api.client import ApiError
+        from dtrain.training.replica import within_tolerance
+        from dtrain.validation.verification import moved_on_during_checks
+
+        def suspicious(p: Probe) -> bool:
+            if p.status is None or p.status.epoch != self.epoch or p.shared_peer_id:
+                return False
+            train_off = (p.train is None and bool(p.train_error)) or (p.train is not None and p.train.epoch != self.epoch)
+            slice_off = p.replica_distance is not None and not within_tolerance(p.replica_distance)
+            return train_off or slice_off
+
+        def recheck(p: Probe) -> None:
+            try:
+                now = self.client.status(p.api, timeout=10)
+            except ApiError:
+                return
+            if moved_on_during_checks(p.status.epoch, self.epoch, now.epoch):
+                p.moved_on = True
+                p.note = (f"moved to epoch {now.epoch} during this validator's checks (another validator's "
+                          f"round averaged epoch {self.epoch} first)")
+
+        todo = [p for p in probes if suspicious(p)]
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+                list(pool.map(recheck, todo))
 
     def _probe(self, probe: Probe, nonce: str) -> None:
         from dtrain.api.client import ApiError
@@ -336,7 +372,8 @@ class Validator(NeuronBase):
         from dtrain.validation.scoring import check_from_comparison
         from dtrain.validation.verification import answer_problem, choose_recomputed, in_sync_problem
 
-        self._check_slice(probe)
+        if probe.moved_on:
+            return  # its answers are stale: see _spot_moved_on
         if probe.train is None:
             probe.note = probe.note or probe.train_error or "no Train answer"
             return
@@ -489,7 +526,7 @@ class Validator(NeuronBase):
         v = self.cfg.validator
         scfg = ScoringConfig(w_gradient=v.weight_gradient, w_steps=v.weight_steps, w_bandwidth=v.weight_bandwidth,
                              w_participation=v.weight_allreduce, ema_alpha=v.ema_alpha)
-        from dtrain.validation.verification import on_probation, round_input
+        from dtrain.validation.verification import excuse_moved_on, on_probation, round_input
 
         claimed_by_peer = {p.peer_id: p.weight_claimed for p in record.peers}
         inputs = {}
@@ -506,12 +543,21 @@ class Validator(NeuronBase):
             # The all-reduce figures in a miner's reply are its own claims, so bandwidth is
             # scored on the state slice this validator timed (and checked) itself.
             miner_ahead = probe.status is not None and (probe.status.epoch or 0) > self.epoch
+            in_a_row = self._moved_on_in_a_row.get(probe.hotkey, 0) + 1 if probe.moved_on else 0
+            if in_a_row:
+                self._moved_on_in_a_row[probe.hotkey] = in_a_row
+            else:
+                self._moved_on_in_a_row.pop(probe.hotkey, None)
+            excused = excuse_moved_on(probe.moved_on, outcome, in_a_row)
+            if excused:
+                probe.note += "; not scored this round"
             # A reachable miner that did not answer the Train challenge (or answered out of
             # sync) gets an empty check: gated to 0, not "not measured".
-            measured = bool(probe.checks) or (probe.status is not None and not miner_ahead)
+            measured = not excused and (bool(probe.checks) or (probe.status is not None and not miner_ahead))
             inputs[probe.uid] = round_input(checks=list(probe.checks) if measured else None,
                                             shared_peer_id=probe.shared_peer_id, work=probe.work,
-                                            claimed_weight=claimed_by_peer.get(probe.peer_id), outcome=outcome,
+                                            claimed_weight=claimed_by_peer.get(probe.peer_id),
+                                            outcome=None if excused else outcome,
                                             slice_bps=probe.slice_bps,
                                             probation=on_probation(self.state.probation, probe.hotkey,
                                                                    self.state.round_counter + 1))

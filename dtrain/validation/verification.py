@@ -198,6 +198,28 @@ def overtaken_by(round_averaged: bool, our_epoch: int, answer_epochs: Sequence[i
     return nxt
 
 
+def moved_on_during_checks(status_epoch: int | None, our_epoch: int, recheck_epoch: int | None) -> bool:
+    """The miner was at our epoch when this round's checks began and is at a later one now.
+
+    Validators run rounds on a shared clock but finish them at different times: a validator
+    whose checks overlap another validator's all-reduce sees the miners step in the middle of
+    them. A Train query answered from the next epoch, or a state slice read after the step, is
+    then stale evidence, not evidence against the miner: its replica moved on, it did not drift.
+    """
+    return (status_epoch == our_epoch and recheck_epoch is not None and recheck_epoch > our_epoch)
+
+
+def excuse_moved_on(moved_on: bool, outcome: Outcome | str, in_a_row: int) -> bool:
+    """Whether a miner that moved on during our checks is left unscored this round.
+
+    Only when it also missed our group (an honest miner at the next epoch cannot be in it; one
+    that averaged our epoch with us cannot have moved on before we checked it), and at most
+    ``MAX_OVERTAKEN_IN_A_ROW`` rounds in a row: a miner answering with made-up epochs after a
+    failed check freezes its score for a few rounds at most, and never earns by it.
+    """
+    return moved_on and Outcome.parse(outcome) is not Outcome.SUCCESS and in_a_row <= MAX_OVERTAKEN_IN_A_ROW
+
+
 def on_probation(probation: dict[str, int], hotkey: str, round_no: int) -> bool:
     """Whether ``hotkey`` is on probation in round ``round_no``."""
     until = probation.get(hotkey)
@@ -218,7 +240,7 @@ def update_probation(probation: dict[str, int], failed: dict[str, bool], round_n
 # ------------------------------------------------------------------ scoring input
 
 def round_input(*, checks: Sequence[MicroBatchCheck] | None, shared_peer_id: bool, work: WorkVerdict | None,
-                claimed_weight: float | None, outcome: Outcome | str, slice_bps: float | None,
+                claimed_weight: float | None, outcome: Outcome | str | None, slice_bps: float | None,
                 probation: bool = False) -> MinerRoundInput:
     """The scoring input for one miner.
 
