@@ -35,7 +35,7 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ from hivemind.averaging.group_info import GroupInfo  # noqa: E402
 from hivemind.averaging.matchmaking import MatchmakingException  # noqa: E402
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer  # noqa: E402
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
+from hivemind.p2p import P2PContext  # noqa: E402
 from hivemind.proto import averaging_pb2  # noqa: E402
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
@@ -57,6 +58,38 @@ from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 logger = logging.getLogger(__name__)
 
 GATHER_VERSION = 1
+
+def _undeclare_in_background(key_manager) -> None:
+    """Make a peer's "no longer looking for a group" DHT store fire and forget.
+
+    hivemind's leader, once its group is assembled, cancels its own search, and the search's
+    cleanup *awaits* that DHT store before the leader may start the all-reduce. The followers
+    start at once and fill the links, so the store (a DHT round trip under load) held the
+    leader back 0.7-2.8 s at 8 peers on 25 Mbit links while every reducer waited for its
+    parts. Nothing depends on the store's reply: it is written with the declaration's own
+    expiration (nudged up), so a store that lands after the next round's declaration (a
+    later expiration) is overridden by it.
+    """
+    if getattr(key_manager, "_dtrain_prompt", False):
+        return
+    declare = key_manager.declare_averager
+    pending: set = set()
+
+    async def declare_averager(group_key, peer_id, expiration_time, looking_for_group: bool = True) -> bool:
+        if looking_for_group:
+            return await declare(group_key, peer_id, expiration_time, looking_for_group)
+        task = asyncio.get_event_loop().create_task(declare(group_key, peer_id, expiration_time, False))
+        pending.add(task)  # keep a reference until it finishes, or asyncio may collect it
+        task.add_done_callback(lambda t: (pending.discard(t), t.cancelled() or t.exception()))
+        return True
+
+    key_manager.declare_averager = declare_averager
+    key_manager._dtrain_prompt = True
+
+
+# How long a leader holds its parts back for its followers' BEGIN messages to leave (a dead
+# follower's write fails at once; this only bounds a stuck one).
+BEGIN_FLUSH_LIMIT_S = 5.0
 
 
 @dataclass
@@ -147,12 +180,28 @@ def schema_hash(tensors: Sequence[torch.Tensor]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-# Slack for the norm bounds: fp16/8-bit wire compression rounds values a little.
+# Slack for the norm bounds: the wire codec can make a decoded part a little larger than the
+# values sent. 8-bit (compat.BlockwiseAbsmax8Bit) adds at most eps = 0.031 relative, fp16 2**-11,
+# hivemind's codebook quantizers nothing (a codebook of bucket means only shrinks a vector). An
+# averaged part passes the codec twice (senders' parts, then the result): (1 + eps)^2 = 1.064 < 1.10.
 NORM_SLACK = 1.10
 
 
 def _within(norm: float, bound: float) -> bool:
     return norm <= bound * NORM_SLACK + 1e-6
+
+
+def _part_check(part: torch.Tensor) -> tuple[bool, float]:
+    """``(all values finite, L2 norm in float64)`` of a part, in one pass over it.
+
+    For float32 (or narrower) values the float64 sum of squares cannot overflow, so the norm
+    is finite exactly when every value is: one pass answers both checks. Wider dtypes keep the
+    explicit test. Called in the thread that deserialises a part, off the event loop.
+    """
+    norm = float(part.double().norm())
+    if part.element_size() <= 4:
+        return math.isfinite(norm), norm
+    return bool(torch.isfinite(part).all()), norm
 
 
 def _scale_check(users, compatible, claimed, ratio: float) -> tuple[list[float], set[int]]:
@@ -209,11 +258,12 @@ class _CappedFiniteReducer(TensorPartReducer):
         self.on_sender_failed(sender_index)
         raise BannedException(f"sender {sender_index} {message}")
 
-    async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
+    async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0, check=None):
         """Same contract as hivemind's: add a part, wait for the others, return the average part.
 
         Differences: ``weight`` from the wire is ignored (capped gathered weight is used), a
         non-finite part bans its sender instead of being added, and an unweighted sum is kept.
+        ``check`` is :func:`_part_check` of the part when the caller computed it off the loop.
         """
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
@@ -228,13 +278,13 @@ class _CappedFiniteReducer(TensorPartReducer):
         if self.sender_failed_after[sender_index] != float("inf"):
             raise BannedException(f"sender {sender_index} was banned in background")
         assert part_index == self.current_part_index
-        if not bool(torch.isfinite(tensor_part).all()):
+        finite, norm = _part_check(tensor_part) if check is None else check
+        if not finite:
             # not counted as received: the ban takes effect from this very part
             self.rejected.add(sender_index)
             self.on_sender_failed(sender_index)
             raise BannedException(f"sender {sender_index} sent non-finite values")
-        if self.sender_norms is not None and not _within(float(tensor_part.double().norm()),
-                                                         self.sender_norms[sender_index]):
+        if self.sender_norms is not None and not _within(norm, self.sender_norms[sender_index]):
             self.rejected.add(sender_index)
             self.too_large.add(sender_index)
             self.on_sender_failed(sender_index)
@@ -250,7 +300,12 @@ class _CappedFiniteReducer(TensorPartReducer):
         self.current_part_accumulated_from += 1
         self.denominator += w
         self.check_current_part_finished()
-        return await current_part_future
+        result = await current_part_future
+        if isinstance(result, asyncio.Future):
+            # robust aggregation runs in a worker thread (check_current_part_finished): the part
+            # index has moved on already, and this is the combination still being computed
+            result = await result
+        return result
 
     def on_sender_failed(self, sender_index: int):
         # idempotent: hivemind may ban the same sender again from another code path, and a
@@ -265,8 +320,13 @@ class _CappedFiniteReducer(TensorPartReducer):
             if self.robust and self.denominator > 0:
                 from dtrain.swarm.robust import centered_clip
 
+                # CenteredClip costs milliseconds per part: run it in a worker thread so the loop
+                # keeps moving bytes and the next part accumulates meanwhile. The part's future
+                # resolves now, with the future of the combination (accumulate_part awaits it):
+                # senders of later parts wake up at once, and finalize() after the last part
+                # cancels nothing that is still being computed.
                 parts, weights = zip(*self.received_parts)
-                result = centered_clip(parts, weights)
+                result = asyncio.get_event_loop().run_in_executor(None, centered_clip, parts, weights)
             elif self.denominator > 0:
                 result = self.accumulator.div_(self.denominator)
             elif self.current_part_accumulated_from > 0:
@@ -295,6 +355,8 @@ class _DtrainRunner(AllReduceRunner):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.failed_reducers: dict[Any, str] = {}
+        # (part index, compression) -> (averaged part, future of its serialised form)
+        self._serialized_cache: dict[tuple[int, int], tuple[torch.Tensor, asyncio.Future]] = {}
         # swap hivemind's reducer for ours (same shapes); retire the old one quietly
         old = self.tensor_part_reducer
         old.finished.set()
@@ -313,9 +375,11 @@ class _DtrainRunner(AllReduceRunner):
         def register_checked(peer_index: int, part_index: int, part: torch.Tensor):
             # an averaged part (delta) that is not finite is never applied; raising here makes
             # hivemind's _communicate_with_peer fall back to local values for that reducer's share
-            if not bool(torch.isfinite(part).all()):
+            # one pass (_part_check): torch.isfinite(...).all() alone costs ~10x the float64 norm
+            finite, norm = _part_check(part)
+            if not finite:
                 raise AllreduceException(f"reducer #{peer_index} returned non-finite values")
-            if max_norm is not None and not _within(float(part.double().norm()), max_norm):
+            if max_norm is not None and not _within(norm, max_norm):
                 raise AllreduceException(f"reducer #{peer_index} returned an average larger than any contribution")
             return register(peer_index, part_index, part)
 
@@ -340,9 +404,13 @@ class _DtrainRunner(AllReduceRunner):
             peer_index = self.ordered_peer_ids.index(peer_id)
             sender_index = self.sender_peer_ids.index(peer_id)
             loop = asyncio.get_event_loop()
+            lossless = self._wire_compression.compression_type == 0  # as_received is the part itself
             for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
-                received = await loop.run_in_executor(None, self._as_received, averaged)
+                if lossless:  # no thread hop for an identity
+                    received = averaged
+                else:
+                    received = await loop.run_in_executor(None, self._as_received, averaged)
                 self.tensor_part_container.register_processed_part(peer_index, part_index, received)
             return
         try:
@@ -373,31 +441,64 @@ class _DtrainRunner(AllReduceRunner):
 
     # -- server side ---------------------------------------------------------------------
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        """Reduce a sender's parts as they stream in; reply with the averaged part (not a delta)."""
+        """Reduce a sender's parts as they stream in; reply with the averaged part (not a delta).
+
+        Everything a part costs before it is added (deserialising, the finiteness and norm
+        check, the commitment check) runs in one worker-thread call, prefetched while the
+        previous part waits for the other senders; the verdicts are applied here, in the same
+        order as before, so bans and their reasons do not change.
+        """
         part_index = 0
+
+        async def numbered():
+            index = 0
+            async for msg in stream:
+                yield index, msg
+                index += 1
+
         try:
-            loop = asyncio.get_event_loop()
-            async for tensor_part, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression),
-                stream,
+            async for tensor_part, part_compression, check, as_claimed in amap_in_executor(
+                lambda item: self._decode_part(sender_index, *item),
+                numbered(),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
-                    if not await loop.run_in_executor(None, self._part_as_claimed, sender_index, part_index,
-                                                      tensor_part):
+                    if not as_claimed:
                         reducer = self.tensor_part_reducer
                         reducer.reject(sender_index, reducer.contradicted, "sent a part that contradicts its commitment")
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
+                                                                              check=check)
                     part_index += 1
                 except BannedException:
                     break  # banned (timeout, disconnect, non-finite): stop serving this sender
-                serialized = await loop.run_in_executor(
-                    None, lambda: serialize_torch_tensor(averaged, part_compression)
-                )
+                serialized = await self._serialized_average(part_index - 1, averaged, part_compression)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _decode_part(self, sender_index: int, part_index: int, msg):
+        """Worker thread: a sender's message -> (part, its compression, _part_check, matches its claim)."""
+        tensor_part = deserialize_torch_tensor(msg.tensor_part)
+        as_claimed = self._part_as_claimed(sender_index, part_index, tensor_part)
+        return tensor_part, msg.tensor_part.compression, _part_check(tensor_part), as_claimed
+
+    def _serialized_average(self, part_index: int, averaged: torch.Tensor, compression):
+        """The averaged part as sent back, serialised once and shared by every sender asking for it.
+
+        All senders receive the same averaged tensor, so the bytes are the same for all; parts
+        complete in order and a sender asks for part p + 1 only after it has taken part p, so
+        only the newest part's entries are kept.
+        """
+        key = (part_index, compression)
+        cache = self._serialized_cache
+        hit = cache.get(key)
+        if hit is None or hit[0] is not averaged:
+            for old in [k for k in cache if k[0] < part_index]:
+                del cache[old]
+            future = asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, averaged, compression)
+            hit = cache[key] = (averaged, future)
+        return asyncio.shield(hit[1])
 
     def _part_as_claimed(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> bool:
         """True unless the sender committed a claim for this part and the part contradicts it."""
@@ -492,6 +593,10 @@ class _DtrainAverager(DecentralizedAverager):
         self._inner_pipe = _WholeMessagePipe(self._inner_pipe)
         super().run()
 
+    async def _step(self, *, step, future_for_init):
+        _undeclare_in_background(self._matchmaking.group_key_manager)
+        return await super()._step(step=step, future_for_init=future_for_init)
+
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         # hivemind sets SIGINT to SIG_IGN in the *calling* process so the forked child ignores
         # Ctrl-C, and never restores it: the neuron would then ignore Ctrl-C. It also fails
@@ -516,6 +621,84 @@ class _DtrainAverager(DecentralizedAverager):
             return super().get_current_state()
         metadata, tensors = self._state_provider()
         return metadata, list(tensors), None
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's join handler, plus: a leader forms its group once every expected peer is in.
+
+        Without this, a group smaller than ``target_group_size`` waits for the leader's whole
+        matchmaking window. hivemind yields ACCEPTED while it still holds
+        ``lock_request_join_group``, so when we are resumed (the follower has been told) no
+        other join, departure or change of leader can interleave: the members we read are
+        the ones the group is formed from. The rule, and why a forged list cannot abuse it,
+        is dtrain/swarm/assembly.py.
+        """
+        async for response in self._matchmaking.rpc_join_group(request, context):
+            begin = response.code == averaging_pb2.BEGIN_ALLREDUCE
+            if begin:
+                self._begins_in_flight.setdefault(response.group_id, set()).add(context.remote_id)
+            try:
+                yield response  # resumed once hivemind has written it to p2pd (send_protobuf drains)
+            finally:
+                if begin:
+                    self._begins_in_flight.get(response.group_id, set()).discard(context.remote_id)
+            if response.code == averaging_pb2.ACCEPTED:
+                await self._assemble_if_expected_joined()
+
+    @property
+    def _begins_in_flight(self) -> dict:
+        # group id -> followers whose BEGIN_ALLREDUCE this leader has not yet handed to p2pd
+        if getattr(self, "_begins", None) is None:
+            self._begins = {}
+        return self._begins
+
+    async def _until_begins_sent(self, group_id: bytes, limit_s: float = BEGIN_FLUSH_LIMIT_S) -> None:
+        """A leader starts sending parts only after every follower's BEGIN message is out.
+
+        A follower's BEGIN and the leader's parts for that follower share one connection: sent
+        in parallel, the BEGIN (which carries every member's gathered data, claims included)
+        queues behind megabytes of parts, and the follower starts the butterfly seconds after
+        the leader, while every other reducer waits for it. Followers never have BEGINs to
+        send, so for them this returns at once.
+        """
+        await asyncio.sleep(0)  # let the followers' join handlers, woken with us, register theirs
+        deadline = time.monotonic() + limit_s
+        try:
+            while self._begins_in_flight.get(group_id) and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+        finally:
+            self._begins_in_flight.pop(group_id, None)
+
+    async def _assemble_if_expected_joined(self) -> None:
+        from dtrain.swarm.assembly import claim_from_gather_bytes, ready_to_assemble
+
+        mm = self._matchmaking
+        try:
+            if not (mm.is_looking_for_group and mm.lock_request_join_group.locked() and mm.current_leader is None
+                    and mm.step_control is not None and not mm.assembled_group.done() and not mm.client_mode):
+                return  # not (or no longer) a leader: hivemind's paths decide
+            # Decoded claims by member, kept while the member's request (or our own step) is the
+            # same object: a group of n would otherwise decode n gathers on each of n joins.
+            cache = getattr(self, "_assembly_claims", None)
+            if cache is None:
+                cache = self._assembly_claims = {}
+            sources = {mm.peer_id: mm.step_control}
+            sources.update(mm.current_followers)
+            members = []
+            for peer, source in sources.items():
+                hit = cache.get(peer)
+                if hit is None or hit[0] is not source:
+                    data = source.data_for_gather if peer == mm.peer_id else source.gather
+                    hit = cache[peer] = (source, claim_from_gather_bytes(str(peer), data, self.serializer.loads))
+                members.append(hit[1])
+            for peer in [p for p in cache if p not in sources]:
+                del cache[peer]
+            if ready_to_assemble(members, mm.min_group_size):
+                logger.debug("every expected peer joined: forming the group of %d now", len(members))
+                await mm.leader_assemble_group()
+        except Exception as e:  # never let the shortcut break a join: the expiration path remains
+            logger.debug("early group assembly skipped: %r", e, exc_info=True)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         try:
@@ -585,8 +768,9 @@ class _DtrainAverager(DecentralizedAverager):
             if commitments is not None:
                 sender_claims = [commitments[i].claims if i in commitments else None
                                  for i, mode in enumerate(modes) if mode != AveragingMode.AUX]
+            t_start = time.monotonic()
+            await self._until_begins_sent(group_info.group_id)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                t_start = time.monotonic()
                 runner = _DtrainRunner(
                     p2p=self._p2p,
                     servicer_type=type(self),
@@ -821,8 +1005,10 @@ class GradientSwarm:
         particular peers, such as the weight a validator has verified for each miner. On failure
         to form a group the tensors keep their local values and the record carries ``error``.
         ``expected_peers`` (peer ids) that did not join are reported NON_PARTICIPATING or
-        NOT_ALIVE. Setting ``stop`` (a neuron shutting down) abandons the round at once: the
-        tensors keep their local values and the record's error says it was interrupted.
+        NOT_ALIVE; they also go in the gather, so that a peer without weight (a validator)
+        lets its group form as soon as all of them joined (dtrain/swarm/assembly.py). Setting
+        ``stop`` (a neuron shutting down) abandons the round at once: the tensors keep their
+        local values and the record's error says it was interrupted.
 
         ``work`` (a WorkReport) and ``work_nonce`` commit this contribution to the pages it came
         from (dtrain.swarm.contribution); a peer without weight (a validator) passes an empty
@@ -850,6 +1036,12 @@ class GradientSwarm:
                       agg=cfg.aggregation, comp=cfg.compression, req=bool(cfg.require_commitments))
         if work_nonce is not None:
             gather["commit"] = self._commitment(tensors, work, work_nonce)
+        if expected_peers:
+            # The leader forms the group as soon as all of these joined instead of waiting out
+            # its matchmaking window (dtrain/swarm/assembly.py); missing ones cost the window.
+            from dtrain.swarm.assembly import EXPECT_KEY, expect_list
+
+            gather[EXPECT_KEY] = expect_list(expected_peers)
         started = time.time()
         t0 = time.monotonic()
         result, error = None, ""

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 FINGERPRINT_VERSION = "dtrain/fingerprint/v1"
@@ -95,11 +98,60 @@ def gradient_sketch(
 
 
 def _add_range(out: torch.Tensor, values: torch.Tensor, seed: int, start: int) -> None:
+    if values.device.type == "cpu":
+        # Same buckets and signs as the torch path below, computed in numpy's native uint64
+        # (no masking for logical shifts) and cached for part-sized ranges; multiplying by an
+        # exact +-1.0 equals the where(sign, v, -v) below bit for bit. Each element is still
+        # added with index_add_, in order, so the sums are the same to the last bit.
+        bucket, sign = _cpu_hash(seed, start, values.numel(), out.numel())
+        out.index_add_(0, bucket, torch.mul(values, sign))
+        return
     dev = values.device
     part = values.double()
     h = _mix64(torch.arange(start, start + part.numel(), device=dev, dtype=torch.int64) + seed)
     bucket = _lshr(h, 32) % out.numel()
     out.index_add_(0, bucket, torch.where((h & 1).bool(), part, -part))
+
+
+# A reducer checks the same range (same parameter, start, length and nonce) of every sender's
+# part against its claim, so the hash of a range is kept for a few recent ranges: it is then
+# computed once per part, not once per sender. Only part-sized ranges are kept (a 32 768-value
+# part costs 512 KB here), and only a handful, so memory stays small whatever the model size.
+_HASH_CACHE_MAX_VALUES = 1 << 18
+_HASH_CACHE_ENTRIES = 16
+_hash_cache: "OrderedDict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+_hash_lock = threading.Lock()
+_U64 = (1 << 64) - 1
+
+
+def _cpu_hash(seed: int, start: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bucket int64, sign float64 of +-1) of elements ``start .. start + n`` under ``seed``."""
+    key = (seed, start, n, k)
+    cacheable = n <= _HASH_CACHE_MAX_VALUES
+    if cacheable:
+        with _hash_lock:
+            hit = _hash_cache.get(key)
+            if hit is not None:
+                _hash_cache.move_to_end(key)
+                return hit
+    h = np.arange(start, start + n, dtype=np.uint64)
+    h += np.uint64(seed & _U64)  # the seed as its two's-complement uint64
+    h *= np.uint64(_GOLDEN & _U64)  # uint64 array arithmetic wraps modulo 2**64 silently
+    h ^= h >> np.uint64(30)
+    h *= np.uint64(_M1 & _U64)
+    h ^= h >> np.uint64(27)
+    h *= np.uint64(_M2 & _U64)
+    h ^= h >> np.uint64(31)
+    high = (h >> np.uint64(32)).astype(np.uint32)  # < 2**32: 32-bit division is much cheaper
+    # k a power of two (the default 64): the remainder is a mask
+    bucket = torch.from_numpy((high & np.uint32(k - 1) if k & (k - 1) == 0 else high % np.uint32(k)).astype(np.int64))
+    sign = torch.from_numpy((h & np.uint64(1)).astype(np.float64) * 2.0 - 1.0)  # odd: +1, even: -1 (exact)
+    if cacheable:
+        with _hash_lock:
+            _hash_cache[key] = (bucket, sign)
+            while len(_hash_cache) > _HASH_CACHE_ENTRIES:
+                _hash_cache.popitem(last=False)
+    return bucket, sign
 
 
 def range_sketch(
