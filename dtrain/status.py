@@ -54,6 +54,20 @@ def _local_dirs(cfg: Config) -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
+def _averaging_mode(cfg: Config) -> dict[str, Any]:
+    """How the swarm averages: this config's allreduce.mode, or a sandbox's own (its manifest)."""
+    mode, inner_steps = cfg.allreduce.mode, cfg.allreduce.diloco_inner_steps
+    if cfg.chain.network == "sandbox" and cfg.chain.sandbox_dir:
+        from dtrain.sandbox import layout
+
+        manifest = layout.read_manifest(expand(cfg.chain.sandbox_dir)) or {}
+        if manifest.get("mode") in ("gradient", "diloco"):
+            mode = manifest["mode"]
+            if isinstance(manifest.get("diloco_inner_steps"), int):
+                inner_steps = manifest["diloco_inner_steps"]
+    return {"mode": mode, "diloco_inner_steps": inner_steps if mode == "diloco" else None}
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         doc = json.loads(path.read_text())
@@ -131,6 +145,7 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
                            "time": time.time(), "miners": [], "validators": [], "rounds": [],
                            "global": {"epoch": None, "samples": None, "target_batch": cfg.allreduce.target_batch_size},
                            "local": None, "chain_error": None}
+    doc.update(_averaging_mode(cfg))
     local_dirs = _local_dirs(cfg)
     validator_state = _validator_state(local_dirs, doc)
     scores = dict(validator_state.ema.scores) if validator_state is not None else {}

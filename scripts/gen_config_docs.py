@@ -48,8 +48,9 @@ out of step. Everything else is this machine's own choice.
 
 **Moved and removed keys.** Training settings moved from `[miner]` to
 `[training]`, because validators recompute with them too; an old key (in a file
-or as `DTRAIN_MINER_...`) is an error that names its new place. The unused
-`allreduce.diloco_inner_steps`, `outer_lr` and `outer_momentum` were removed.
+or as `DTRAIN_MINER_...`) is an error that names its new place.
+`allreduce.diloco_inner_steps`, `outer_lr` and `outer_momentum`, removed while
+nothing read them, are back: `mine` and `validate` run `allreduce.mode = "diloco"`.
 
 Write a starting file with `dtrain init`.
 """

@@ -71,7 +71,10 @@ class Recorder:
             self._note("allreduce", request.to_json(), caller)
             return AllReduceResponse(joined=True, epoch=request.epoch, round=None)
 
-        def state_slice(offset, length):
+        def state_slice(offset, length, snapshot=None):
+            if snapshot is not None:  # a DiLoCo snapshot: (epoch, step) decides the bytes
+                self._note("snapshot", offset, length, snapshot)
+                return bytes([snapshot[1]]) * length
             self._note("state_slice", offset, length)
             return STATE[offset:offset + length]
 
@@ -301,6 +304,17 @@ def test_state_slice_get_and_post(served, wallets):
                           signed(wallets["validator"], server.self_hotkey, "POST", "/v1/state-slice", body))
     assert status == 200 and raw == STATE[10:30]
     assert [c[0] for c in rec.calls] == ["state_slice", "state_slice"]
+
+
+def test_state_slice_of_a_diloco_snapshot_passes_its_epoch_and_step(served, wallets):
+    server, rec = served
+    target = "/v1/state-slice?offset=8&length=16&epoch=5&snapshot=4"
+    status, _, raw = send(server, "GET", target, headers=signed(wallets["validator"], server.self_hotkey, "GET", target))
+    assert status == 200 and raw == bytes([4]) * 16
+    assert rec.calls[-1][1:3] == (8, 16) and rec.calls[-1][3] == (5, 4)
+    bad = "/v1/state-slice?offset=0&length=4&snapshot=x"
+    status, _, _ = send(server, "GET", bad, headers=signed(wallets["validator"], server.self_hotkey, "GET", bad))
+    assert status == 422
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def test_default_file_is_read_when_present(tmp_path):
     # keys of earlier releases say where they went instead of "unknown key"
     ("[miner]\nlr = 0.5\n", "miner.lr", "moved to [training] lr (env DTRAIN_TRAINING_LR)"),
     ("[miner]\ndevice = \"cuda\"\n", "miner.device", "moved to [training] device"),
-    ("[allreduce]\nouter_lr = 0.7\n", "allreduce.outer_lr", "was removed"),
+    ("[allreduce]\nouter_lr = -0.7\n", "allreduce.outer_lr", ">= 0"),
 ])
 def test_errors_name_file_key_expected_and_found(tmp_path, text, key, fragment):
     path = write(tmp_path / "bad.toml", text)

@@ -66,6 +66,33 @@ def test_state_hand_over_makes_a_lagging_replica_identical():
     assert params_digest(behind) == params_digest(ahead)
 
 
+def test_diloco_outer_state_hand_over_keeps_the_nesterov_momentum():
+    """DiLoCo's shared replica steps with SGD + Nesterov momentum: a caught-up peer needs the
+    momentum buffer too, or its next outer step differs from everyone else's."""
+    from dtrain.neurons.runtime import params_digest
+    from dtrain.neurons.sync import export_state, import_state
+    from dtrain.training.models import create_model
+    from dtrain.training.trainer import Trainer, TrainerConfig
+
+    def outer(seed):
+        cfg = TrainerConfig(optimizer="nesterov", lr=0.7, momentum=0.9, weight_decay=0.0, warmup_steps=0,
+                            total_steps=1, min_lr_ratio=1.0, grad_clip=None)
+        return Trainer(create_model("tiny", vocab_size=300, n_positions=32, seed=seed), cfg)
+
+    ahead, behind = outer(0), outer(0)
+    g = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3 for i, p in enumerate(ahead.params)]
+    for _ in range(2):
+        ahead.set_gradients(g, num_samples=1)
+        ahead.step()
+    meta, tensors = export_state(ahead, epoch=2)
+    assert import_state(behind, meta, tensors) == 2
+    assert params_digest(behind) == params_digest(ahead)
+    for t in (ahead, behind):
+        t.set_gradients(g, num_samples=1)
+        t.step()
+    assert params_digest(behind) == params_digest(ahead)
+
+
 # Fused AdamW keeps ``step`` on the parameters' device; dtrain's LAMB keeps it on the host, as
 # it creates it (dtrain/training/lamb.py), like torch's unfused kernels. Moments always follow
 # the parameters.
@@ -268,3 +295,17 @@ def test_swarm_fingerprint_tells_apart_peers_whose_swarm_wide_settings_differ():
     local.data.source = local_other.data.source = "local"
     local_other.data.dataset = "someone/else"
     assert swarm_fingerprint(local, "m") == swarm_fingerprint(local_other, "m")
+
+
+def test_a_validator_names_the_fellow_validators_of_its_last_group_and_only_them():
+    from dtrain.neurons.validator import fellow_validators
+    from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
+
+    peers = [PeerResult("me", Outcome.SUCCESS, 0.0), PeerResult("v2", Outcome.SUCCESS, 0.0),
+             PeerResult("m1", Outcome.SUCCESS, 64.0), PeerResult("lazy", Outcome.SUCCESS, 0.0),
+             PeerResult("v3", Outcome.SUCCESS, 0.0)]
+    record = RoundRecord(round_id="g", local_peer_id="me", started_at=0.0, duration_s=1.0, peers=peers)
+    # a miner with no weight (it trained nothing) is a committed miner, not a validator
+    assert fellow_validators(record, {"m1", "lazy"}, "me") == {"v2", "v3"}
+    failed = RoundRecord(round_id="", local_peer_id="me", started_at=0.0, duration_s=1.0, error="no group")
+    assert fellow_validators(failed, {"m1"}, "me") == set()

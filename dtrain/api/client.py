@@ -331,9 +331,14 @@ class MinerClient:
         *,
         timeout: Optional[float] = None,
         keep_data: bool = False,
+        snapshot: Optional[tuple[int, int]] = None,
     ) -> SliceDownload:
-        """Signed GET /v1/state-slice, timed from send to last byte."""
-        target = "/v1/state-slice?" + urllib.parse.urlencode({"offset": int(offset), "length": int(length)})
+        """Signed GET /v1/state-slice, timed from send to last byte. With ``snapshot`` =
+        (epoch, step) the bytes are of that committed DiLoCo snapshot instead of the live parameters."""
+        query = {"offset": int(offset), "length": int(length)}
+        if snapshot is not None:
+            query.update(epoch=int(snapshot[0]), snapshot=int(snapshot[1]))
+        target = "/v1/state-slice?" + urllib.parse.urlencode(query)
         digest = hashlib.sha256()
         kept = bytearray() if keep_data else None
         started = time.perf_counter()

@@ -419,8 +419,20 @@ class AllReduceResponse(Message):
 class StateSliceRequest(Message):
     """A slice of the miner's float32 parameters, for the bandwidth check."""
 
-    offset: int = wire(Integer(0, 2**62), "Byte offset into the parameters, taken modulo their size.")
+    offset: int = wire(Integer(0, 2**62), "Byte offset into the parameters, taken modulo their size (into the "
+                       "snapshot, not wrapped, when `snapshot` is given).")
     length: int = wire(Integer(1, 2**62), "Bytes to send (at most the miner's limit, default 64 MiB: 422).")
+    epoch: int | None = wire(Integer(0, 2**62), "DiLoCo: the epoch of the snapshot asked for (with `snapshot`).",
+                             optional=True)
+    snapshot: int | None = wire(Integer(0, 2**62), "DiLoCo: the inner step after which the snapshot was taken; "
+                                "the bytes are then of that committed snapshot (docs/protocol.md, \"DiLoCo\"), "
+                                "404 when the miner does not hold it.", optional=True)
+
+    def snapshot_key(self) -> tuple[int, int] | None:
+        """(epoch, step) of the snapshot asked for, or None for the live parameters."""
+        if self.snapshot is None:
+            return None
+        return (int(self.epoch or 0), int(self.snapshot))
 
     @classmethod
     def from_query(cls, query: Mapping[str, str]) -> "StateSliceRequest":

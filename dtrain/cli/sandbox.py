@@ -17,7 +17,11 @@ from dtrain.cli.common import CommandError, JsonOpt, NoDashboardOpt, cli_errors,
 # (tests/test_cli.py checks the two agree). "fused-adamw" is an honest miner on another
 # optimizer implementation, the sandbox's stand-in for other hardware.
 ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner", "sign-flip", "zero",
-               "rescale", "noisy", "replay", "sandbagger", "fused-adamw")
+               "rescale", "noisy", "replay", "sandbagger", "wrong-pages", "fused-adamw")
+
+
+# dtrain.config's allreduce.mode choices (the config module is light, but keep completion lean).
+MODES = ("gradient", "diloco")
 
 
 def _complete_adversary(incomplete: str) -> list[str]:
@@ -37,10 +41,16 @@ def sandbox(
         autocompletion=_complete_adversary)] = None,
     directory: Annotated[Optional[Path], typer.Option(
         "--dir", file_okay=False, help="Keep the sandbox state here (default: a temporary directory).")] = None,
+    mode: Annotated[str, typer.Option(
+        "--mode", help="allreduce.mode: gradient (average every step) or diloco (H local steps, then one "
+        "averaged pseudo-gradient and an outer Nesterov step).",
+        autocompletion=lambda incomplete: [m for m in MODES if m.startswith(incomplete)])] = "gradient",
     json_out: JsonOpt = False,
     no_dashboard: NoDashboardOpt = False,
 ) -> None:
     """Start an embedded chain, validators and miners on loopback; run rounds; print a summary."""
+    if mode not in MODES:
+        raise typer.BadParameter(f"expected one of {', '.join(MODES)}, found {mode!r}", param_hint="--mode")
     for kind in adversary or []:
         if kind not in ADVERSARIES:
             raise typer.BadParameter(f"expected one of {', '.join(ADVERSARIES)}, found {kind!r}",
@@ -56,7 +66,8 @@ def sandbox(
             err(f"sandbox: {message}")
 
     box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, validators=validators,
-                                 adversaries=list(adversary or []), directory=directory), on_event=note)
+                                 adversaries=list(adversary or []), directory=directory, mode=mode),
+                  on_event=note)
     interrupted = threading.Event()
 
     def on_signal(signum, frame):

@@ -21,7 +21,10 @@ What goes into the all-reduce (each trains and answers Train queries honestly):
 - ``noisy``: adds Gaussian noise of ``NOISE_RATIO`` times the gradient's norm.
 - ``replay``: sends the contribution of its previous round again.
 - ``sandbagger``: trains one page of its local batch, and commits a work report naming the
-  whole batch (the right page ids, sketches made up to match what it sends).
+  whole batch (the right page ids, sketches made up to match what it sends). In DiLoCo mode
+  it takes one inner step and commits H, each repeating the real one.
+- ``wrong-pages``: trains on other pages than its own (the next page id) and commits its own
+  page ids: the audit's recomputation (a DiLoCo replay) runs on the assigned pages.
 
 Not a cheat: ``fused-adamw`` is an honest miner whose optimizer is torch's fused AdamW (what
 CUDA miners run) while everyone else runs the plain one: "other hardware" in the sandbox.
@@ -158,12 +161,16 @@ class Sandbagger(AdversarialMiner):
     kind = "sandbagger"
 
     def _wants_more_data(self) -> bool:
+        if self.inner is not None:  # DiLoCo: one real inner step
+            return self.trajectory.steps_done < 1 and super()._wants_more_data()
         return self.trainer.accumulated_samples < self.cfg.data.page_sequences and super()._wants_more_data()
 
     def _contribution(self, samples, weight_cap):
         from dtrain.training.data import assign_pages
         from dtrain.training.work import PageWork, WorkReport
 
+        if self.inner is not None:
+            return self._made_up_trajectory(samples, weight_cap)
         mean, _, real = super()._contribution(samples, weight_cap)
         per_page = self.cfg.data.page_sequences
         count = max(1, self.cfg.training.local_batch_size // per_page)
@@ -179,6 +186,37 @@ class Sandbagger(AdversarialMiner):
         report = WorkReport(epoch=real.epoch, pages=fake)
         return mean, float(min(report.samples, weight_cap)), report
 
+    def _made_up_trajectory(self, samples, weight_cap):
+        """DiLoCo: one real inner step passed off as H, each "step" repeating the real one's
+        update, with the pseudo-gradient scaled to match (so the binding rule holds)."""
+        from dtrain.training.data import assign_pages
+        from dtrain.training.trajectory import InnerStepWork, SnapshotCommit, TrajectoryReport
+
+        pseudo, _, real = super()._contribution(samples, weight_cap)
+        if not real.steps:
+            return pseudo, 0.0, real
+        H, one = self.cfg.allreduce.diloco_inner_steps, real.steps[0]
+        n = len(one.pages)
+        pages = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, page_counter=0,
+                             count=H * n, num_pages=self.bench.reader.num_pages)
+        steps = tuple(InnerStepWork(counters=tuple(range(i * n, (i + 1) * n)), pages=tuple(pages[i * n:(i + 1) * n]),
+                                    samples=one.samples, loss=one.loss, sketch=one.sketch, grad_sketch=one.grad_sketch)
+                      for i in range(H))
+        first = real.snapshots[0]
+        snaps = tuple(SnapshotCommit(step=s, exp_avg=first.exp_avg, exp_avg_sq=first.exp_avg_sq)
+                      for s in range(0, H, real.every))
+        report = TrajectoryReport(epoch=real.epoch, every=real.every, start=real.start, steps=steps, snapshots=snaps)
+        return [t * H for t in pseudo], float(min(report.samples, weight_cap)), report
+
+
+class WrongPages(AdversarialMiner):
+    """Trains on another miner's pages (the next page id) but commits its own page ids."""
+
+    kind = "wrong-pages"
+
+    def _read_own_page(self, page: list[int]):
+        return self.bench.reader.read_pages([(page[0] + 1) % self.bench.reader.num_pages])
+
 
 class FusedAdamW(AdversarialMiner):
     """Honest, with torch's fused AdamW instead of the plain one (another optimizer implementation)."""
@@ -189,12 +227,15 @@ class FusedAdamW(AdversarialMiner):
         from dtrain.training.trainer import Trainer
 
         bench = super()._build_workbench()
+        if bench.inner is not None:  # DiLoCo: the local AdamW steps are the inner trainer's
+            inner = Trainer(bench.inner.model, dataclasses.replace(bench.inner.config, fused=True))
+            return dataclasses.replace(bench, inner=inner)
         trainer = Trainer(bench.model, dataclasses.replace(bench.trainer.config, fused=True))
         return dataclasses.replace(bench, trainer=trainer)
 
 
 MINERS = {cls.kind: cls for cls in (Lazy, WrongModel, Copycat, Freeloader, InflatedWeight, Poisoner, SignFlip, Zero,
-                                    Rescale, Noisy, Replay, Sandbagger, FusedAdamW)}
+                                    Rescale, Noisy, Replay, Sandbagger, WrongPages, FusedAdamW)}
 KINDS = tuple(MINERS)
 
 

@@ -165,7 +165,7 @@ class NeuronBase:
             self.node.dht, [p.detach() for p in self.trainer.params], self.bench.swarm_fingerprint,
             runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
             # Peers that fall behind download parameters, optimizer moments and counters from us.
-            state_provider=self._shared_state,
+            state_provider=self._shared_state, mode=self.cfg.allreduce.mode,
         )
         self.swarm.set_state_priority(self.epoch)
         self.tel.update(peer_id=self.node.peer_id)

@@ -10,6 +10,12 @@ Threads:
 Rounds are started by validators (``POST /v1/allreduce``): the miner averages its
 accumulated mean gradient, weighted by its sample count, applies the same optimizer
 step as every other peer, advances its epoch, checkpoints and pushes.
+
+In DiLoCo mode (``allreduce.mode = "diloco"``) the model of ``self.trainer`` is the shared
+replica (the epoch's anchor, moved only by the outer Nesterov step), and ``self.inner``, a
+second copy, takes up to H local AdamW steps from it on the miner's pages, recording each in
+a trajectory report and keeping snapshots for validators' replays. A round averages
+``anchor - inner parameters``; after the outer step the inner copy restarts from the new anchor.
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ class Miner(NeuronBase):
         self._card_round: dict | None = None
         self._data_retry_at = 0.0
         self.server = self.pusher = self.node = self.swarm = None
+        # DiLoCo only (see the module docstring): the inner trainer, its trajectory, its snapshots
+        # and the (counter, page) pairs of the inner step being accumulated.
+        self.inner = self.trajectory = self.snapshots = None
+        self._step_pages: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -92,6 +102,14 @@ class Miner(NeuronBase):
         self.work = WorkLog(self.bench.run_id)
         if self._resume(uid=self.uid):
             self.tel.event(f"resumed from checkpoint at epoch {self.epoch}, step {self.trainer.counters.inner_step}")
+        if self.bench.inner is not None:
+            from dtrain.training.snapshots import SnapshotStore
+            from dtrain.training.trajectory import TrajectoryLog
+
+            self.inner = self.bench.inner
+            self.trajectory = TrajectoryLog(self.bench.run_id, self.cfg.allreduce.diloco_snapshot_every)
+            self.snapshots = SnapshotStore(self.dir / "snapshots")
+            self._start_outer_step()
         self.tel.event(f"model {cfg.model.preset}: {self.bench.param_count:,} parameters, "
                        f"tokenizer {self.bench.tokenizer_info.name}, fingerprint {self.bench.fingerprint[:12]}")
 
@@ -214,6 +232,8 @@ class Miner(NeuronBase):
                 target, self._pending_catch_up = self._pending_catch_up, None
                 if self._catch_up(target):
                     self.page_counter = 0
+                    if self.inner is not None:
+                        self._start_outer_step()  # inner steps from the old anchor no longer fit
                     self._checkpoint()
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
@@ -267,13 +287,31 @@ class Miner(NeuronBase):
         honest miner never claims more than the cap it was told (a claim above it would read
         as inflation) nor more than the samples its work report commits to.
         """
+        if self.inner is not None:
+            # DiLoCo: the pseudo-gradient, anchor - parameters after the inner steps (sign of a gradient).
+            pseudo = [(a.detach().float() - p.detach().float()).cpu()
+                      for a, p in zip(self.trainer.params, self.inner.params)]
+            report = self.trajectory.report()
+            return pseudo, float(min(samples, report.samples, weight_cap)), report
         mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
         report = self.work.report()
         return mean, float(min(samples, report.samples, weight_cap)), report
 
+    def _samples_this_epoch(self) -> int:
+        """Samples this miner's contribution to the next round stands for."""
+        if self.inner is not None:
+            return self.trajectory.samples
+        return self.trainer.accumulated_samples
+
+    def _read_own_page(self, page: list[int]):
+        """The tokens of one of this miner's own pages."""
+        return self.bench.reader.read_pages(page)
+
     def _wants_more_data(self) -> bool:
         if time.monotonic() < self._data_retry_at:
             return False
+        if self.inner is not None:
+            return self.trajectory.steps_done < self.cfg.allreduce.diloco_inner_steps
         return self.trainer.accumulated_samples < self.cfg.training.local_batch_size
 
     def _train_own_page(self) -> None:
@@ -284,12 +322,15 @@ class Miner(NeuronBase):
                             num_pages=reader.num_pages, count=1)
         t0 = time.perf_counter()
         try:
-            tokens_in = reader.read_pages(page)
+            tokens_in = self._read_own_page(page)
         except DataSourceError as exc:
             # A streaming hiccup (e.g. a Hub timeout) costs one page, not the miner.
             self.tel.event(f"data page {page[0]} unavailable ({exc}); skipping it, retrying in {DATA_RETRY_S:.0f}s")
             self.page_counter += 1
             self._data_retry_at = time.monotonic() + DATA_RETRY_S
+            return
+        if self.inner is not None:
+            self._train_inner_page(page[0], tokens_in, t0)
             return
         with self.model_lock:
             if self.trainer.accumulated_samples == 0:
@@ -309,6 +350,60 @@ class Miner(NeuronBase):
                                samples_accumulated=self.trainer.accumulated_samples,
                                local_batch=self.cfg.training.local_batch_size)
 
+    # ------------------------------------------------------------------ DiLoCo inner loop
+
+    def _start_outer_step(self) -> None:
+        """Restart the inner copy from the shared parameters with fresh moments (a new epoch,
+        a resume or a catch-up): the trajectory a validator can replay begins here."""
+        with self.model_lock:
+            self.inner.copy_parameters_from(self.trainer.params)
+            self.inner.reset_optimizer_state()
+            self.trajectory.start(self.epoch, self.inner.params)
+            self._step_pages = []
+            self.page_counter = 0
+            self._keep_snapshot()
+        self.snapshots.prune(self.epoch)
+
+    def _keep_snapshot(self) -> None:
+        """Store the inner state now and commit its moments' sketches (caller holds model_lock)."""
+        from dtrain.training import snapshots
+
+        params, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
+        self.snapshots.save(self.epoch, self.trajectory.steps_done, snapshots.encode(params, exp_avg, exp_avg_sq))
+        self.trajectory.record_snapshot(exp_avg, exp_avg_sq)
+
+    def _train_inner_page(self, page: int, tokens_in, t0: float) -> None:
+        """Add one own page to the inner step; take the step once the local batch is full."""
+        from dtrain.training.replay import position_inner_lr
+
+        H = self.cfg.allreduce.diloco_inner_steps
+        metrics = None
+        with self.model_lock:
+            results = self.inner.accumulate(tokens_in)
+            self._step_pages.append((self.page_counter, page))
+            if self.inner.local_batch_full:
+                samples = self.inner.accumulated_samples
+                grad_sketch = self.trajectory.gradient_sketch(self.inner.gradients())
+                position_inner_lr(self.inner, epoch=self.epoch, inner_steps=H, step_index=self.trajectory.steps_done,
+                                  warmup=self.cfg.allreduce.diloco_inner_warmup)
+                metrics = self.inner.step()
+                self.trajectory.record_step(counters=[c for c, _ in self._step_pages],
+                                            pages=[p for _, p in self._step_pages], samples=samples,
+                                            loss=metrics.loss, params=self.inner.params, grad_sketch=grad_sketch)
+                self._step_pages = []
+                if self.trajectory.snapshot_due() and self.trajectory.steps_done < H:
+                    self._keep_snapshot()
+        self.page_counter += 1
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+        loss = metrics.loss if metrics is not None else sum(r.loss for r in results) / len(results)
+        self._last_loss = loss
+        tokens = sum(r.samples for r in results) * self.cfg.model.seq_len
+        self.tel.train_metrics(loss=loss, tokens_per_s=tokens / elapsed, lr=self.inner.lr, epoch=self.epoch,
+                               inner_step=self.trajectory.steps_done, samples=self.inner.counters.samples,
+                               tokens=self.inner.counters.tokens,
+                               samples_accumulated=self.trajectory.samples + self.inner.accumulated_samples,
+                               local_batch=self.cfg.training.local_batch_size * H)
+
     # ------------------------------------------------------------------ API handlers (server threads)
 
     def _status(self) -> StatusResponse:
@@ -316,8 +411,9 @@ class Miner(NeuronBase):
         loss = snap.loss if snap.loss is not None and math.isfinite(snap.loss) else None
         return StatusResponse(
             version=__version__, uid=self.uid, epoch=self.epoch, kind="miner",
-            samples=self.trainer.counters.samples, samples_accumulated=self.trainer.accumulated_samples,
-            inner_step=self.trainer.counters.inner_step, model_fingerprint=self.bench.fingerprint,
+            samples=(self.inner or self.trainer).counters.samples, samples_accumulated=self._samples_this_epoch(),
+            inner_step=self.trajectory.steps_done if self.inner is not None else self.trainer.counters.inner_step,
+            model_fingerprint=self.bench.fingerprint,
             swarm_fingerprint=self.bench.swarm_fingerprint, params_digest=self._digest, peer_id=self.node.peer_id, maddrs=tuple(self._maddrs), loss=loss,
             state=snap.state,
         )
@@ -355,7 +451,7 @@ class Miner(NeuronBase):
             MicroBatchReport(page=pages[min(i * mbs // self.cfg.data.page_sequences, len(pages) - 1)],
                              loss=fp.loss, sketch=tuple(fp.sketch), samples=fp.samples, nonce=fp.nonce)
             for i, fp in enumerate(prints))
-        return TrainResponse(uid=self.uid, epoch=self.epoch, samples_total=self.trainer.accumulated_samples,
+        return TrainResponse(uid=self.uid, epoch=self.epoch, samples_total=self._samples_this_epoch(),
                              params_digest=self._digest, microbatches=micro)
 
     def _allreduce(self, request: AllReduceRequest, caller: str) -> AllReduceResponse:
@@ -387,7 +483,7 @@ class Miner(NeuronBase):
         from dtrain.training.work import work_nonce
 
         round_epoch = self.epoch
-        samples = self.trainer.accumulated_samples
+        samples = self._samples_this_epoch()
         with self.model_lock:
             mean, weight, report = self._contribution(samples, request.weight_cap)
         # With per-peer caps, a peer the validator did not list (it did not verify it) gets none.
@@ -404,6 +500,8 @@ class Miner(NeuronBase):
 
             self._card_round = round_facts(record, metrics, epoch=self.epoch, seq_len=self.cfg.model.seq_len)
             self.page_counter = 0  # page counters restart with each epoch's fresh permutation
+            if self.inner is not None:
+                self._start_outer_step()  # the outer step moved the anchor: the inner steps restart from it
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
                 self._pending_catch_up = CatchUpTarget()
@@ -422,10 +520,21 @@ class Miner(NeuronBase):
             self._last_round = (round_epoch, answer)
         return answer
 
-    def _state_slice(self, offset: int, length: int) -> bytes:
-        """Bytes of the current parameters (float32), for the validator's bandwidth check."""
+    def _state_slice(self, offset: int, length: int, snapshot: tuple[int, int] | None = None) -> bytes:
+        """Bytes of the current (shared) parameters, float32, for the validator's bandwidth check;
+        or, with ``snapshot`` = (epoch, step), of a committed DiLoCo snapshot for its replay."""
         from dtrain.neurons.sync import state_slice
 
+        if snapshot is not None:
+            from dtrain.api.server import HandlerError
+            from dtrain.training.snapshots import SnapshotError
+
+            if self.snapshots is None:
+                raise HandlerError(404, "this miner keeps no DiLoCo snapshots (allreduce.mode is not diloco)")
+            try:
+                return self.snapshots.read(snapshot[0], snapshot[1], offset, length)
+            except SnapshotError as exc:
+                raise HandlerError(404, str(exc)) from None
         with self.model_lock:
             return state_slice(self.trainer, offset, length)
 

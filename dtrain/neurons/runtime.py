@@ -36,6 +36,7 @@ class Workbench:
     swarm_fingerprint: str  # the model fingerprint plus every swarm-wide setting (the swarm's identity)
     run_id: str
     param_count: int
+    inner: Any = None  # DiLoCo: the trainer of the local (inner) steps; None in per-step mode
 
 
 def node_dir(cfg: Config, role: str, hotkey: str) -> Path:
@@ -208,6 +209,23 @@ def trainer_config(cfg: Config, device: str):
     )
 
 
+def is_diloco(cfg: Config) -> bool:
+    return cfg.allreduce.mode == "diloco"
+
+
+def outer_trainer_config(cfg: Config, device: str):
+    """DiLoCo's shared replica: the parameters every peer holds at an epoch (the anchor), moved
+    only by the outer step: SGD with Nesterov momentum at a constant rate, no clipping and no
+    weight decay (both belong to the inner AdamW steps)."""
+    from dtrain.training.trainer import TrainerConfig
+
+    return TrainerConfig(
+        micro_batch_size=cfg.training.micro_batch_size, local_batch_size=cfg.training.local_batch_size,
+        optimizer="nesterov", lr=cfg.allreduce.outer_lr, momentum=cfg.allreduce.outer_momentum, weight_decay=0.0,
+        warmup_steps=0, total_steps=1, min_lr_ratio=1.0, grad_clip=None, precision=cfg.training.precision,
+        device=device)
+
+
 def build_model(cfg: Config, tokenizer_info, *, n_positions: int | None = None):
     """The configured model with its initial weights: the Hub checkpoint named by
     ``model.hub_id``, else the preset initialised from a seed derived from the run id."""
@@ -243,14 +261,28 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench
     tokenizer, info = load_tokenizer_for(cfg)  # warns itself when it falls back
     model = build_model(cfg, info, n_positions=n_positions)
     device = resolve_device(cfg)
-    trainer = Trainer(model, trainer_config(cfg, device))
+    inner = None
+    if is_diloco(cfg):
+        import copy
+
+        # The shared replica (the anchor) answers Train challenges, serves state slices and takes
+        # the outer step; the inner trainer, a second copy, takes the local AdamW steps.
+        trainer = Trainer(model, outer_trainer_config(cfg, device))
+        inner = Trainer(copy.deepcopy(trainer.model), trainer_config(cfg, device))
+    else:
+        trainer = Trainer(model, trainer_config(cfg, device))
     reader = PageReader(data_source_for(cfg), tokenizer, PageSpec(seq_len=cfg.model.seq_len,
                                                                    page_sequences=cfg.data.page_sequences))
     model_fp = model_fingerprint(trainer.model)
-    return Workbench(model=trainer.model, trainer=trainer, reader=reader, tokenizer_info=info,
+    return Workbench(model=trainer.model, trainer=trainer, inner=inner, reader=reader, tokenizer_info=info,
                      fingerprint=model_fp,
                      swarm_fingerprint=swarm_fingerprint(cfg, model_fp, tokenizer_digest=info.digest),
                      run_id=cfg.model.run_id, param_count=count_parameters(trainer.model))
+
+
+# Bumped whenever a compression setting's wire format changes (dtrain.swarm.compat.wire_format):
+# "8bit" became dtrain's blockwise codec (it was hivemind's uniform one).
+WIRE_CODECS_VERSION = "dtrain-codecs/2"
 
 
 def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: str = "") -> str:
@@ -283,7 +315,10 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
         # local files have no revision: their names and sizes tell peers on other data apart
         settings["data.files"] = _local_data_identity(cfg)
     doc = {"format": "dtrain-swarm/1", "model": model_fingerprint, "settings": settings, "max_uids": MAX_UIDS,
-           "pages": ASSIGNMENT_VERSION, "sketch": FINGERPRINT_VERSION}
+           "pages": ASSIGNMENT_VERSION, "sketch": FINGERPRINT_VERSION,
+           # What each allreduce.compression name puts on the wire: releases that read "8bit" as
+           # another codec cannot decode each other's parts, so they must not share a group.
+           "codecs": WIRE_CODECS_VERSION}
     if tokenizer_digest:
         doc["tokenizer"] = tokenizer_digest
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
@@ -299,14 +334,6 @@ def _local_data_identity(cfg: Config):
 def averaging_config(cfg: Config, log_path: Path | None):
     from dtrain.neurons.deadlines import matchmaking_timeout_s
     from dtrain.swarm.averaging import AveragingConfig
-
-    if cfg.allreduce.mode != "gradient":
-        # Train verification compares a miner's gradients with the validator's replica, which
-        # needs identical parameters between rounds; DiLoCo's local steps break that.
-        raise NeuronError(
-            f"allreduce.mode = {cfg.allreduce.mode!r} is available in the swarm library and "
-            "benchmarks/convergence.py, but mine/validate support only 'gradient' so far: "
-            "validators cannot verify miners whose replicas drift between rounds")
 
     a = cfg.allreduce
     return AveragingConfig(

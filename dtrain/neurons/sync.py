@@ -12,20 +12,31 @@ from typing import Any, Sequence
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# DiLoCo's outer optimizer (SGD with Nesterov momentum) keeps one buffer; it travels in the
+# first moment's place, with zeros in the second, so the hand-over layout is the same.
+SGD_MOMENTS = ("momentum_buffer",)
+
+
+def _moment_keys(optimizer) -> tuple[str, ...]:
+    return SGD_MOMENTS if isinstance(optimizer, torch.optim.SGD) else MOMENTS
 
 
 def export_state(trainer, epoch: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     opt_step = 0.0
+    keys = _moment_keys(trainer.optimizer)
     for p in trainer.params:
         tensors.append(p.detach().to("cpu", torch.float32))
         state = trainer.optimizer.state.get(p, {})
-        for key in MOMENTS:
-            moment = state.get(key)
+        for i in range(len(MOMENTS)):
+            moment = state.get(keys[i]) if i < len(keys) else None
             tensors.append(moment.detach().to("cpu", torch.float32) if moment is not None
                            else torch.zeros(p.shape, dtype=torch.float32))
         if "step" in state:
             opt_step = float(state["step"])
+        elif state.get("momentum_buffer") is not None:
+            # SGD counts no steps; any positive value says "the buffers are live".
+            opt_step = float(max(trainer.counters.inner_step, 1))
     meta = {"epoch": int(epoch), "inner_step": trainer.counters.inner_step, "opt_step": opt_step,
             "sched_epoch": int(trainer.scheduler.last_epoch)}
     return meta, tensors
@@ -75,8 +86,12 @@ def _load_moments(optimizer, params, blocks, opt_step: float) -> None:
     """
     index = {id(p): i for i, p in enumerate(q for group in optimizer.param_groups for q in group["params"])}
     state: dict[int, dict[str, torch.Tensor]] = {}
+    sgd = isinstance(optimizer, torch.optim.SGD)
     if blocks is not None:
         for p, block in zip(params, blocks):
+            if sgd:
+                state[index[id(p)]] = {"momentum_buffer": block[1].to(torch.float32).clone()}
+                continue
             state[index[id(p)]] = {"step": torch.tensor(opt_step, dtype=torch.float32),
                                    **{key: t.to(torch.float32).clone() for key, t in zip(MOMENTS, block[1:])}}
     current = optimizer.state_dict()

@@ -41,6 +41,8 @@ from dtrain.validation.verification import MAX_OVERTAKEN_IN_A_ROW, overtaken_by
 log = logging.getLogger("dtrain.validator")
 
 EVAL_PAGES = 2
+# A DiLoCo snapshot is downloaded in pieces of this size (the miner's per-request limit is 64 MiB).
+SNAPSHOT_CHUNK = 16 << 20
 
 
 @dataclass
@@ -69,6 +71,22 @@ class Probe:
     moved_on: bool = False  # it stepped to a later epoch while we were checking it (another validator's round)
 
 
+def commitments_peer_ids(commitments: dict) -> list[str]:
+    return [c.peer_id for c in commitments.values()]
+
+
+def fellow_validators(record, miner_peer_ids: set[str], own_peer_id: str) -> set[str]:
+    """The other validators of a round's group: weight-0 members that no miner committed.
+
+    A group forms as soon as every peer its validators named has joined, so a validator that
+    names only miners can see the group form before a fellow validator arrives; naming the
+    ones met last round keeps them in. One that does not come costs a round the matchmaking
+    window once, and is then no longer named (it is not in that round's group).
+    """
+    return {p.peer_id for p in record.peers
+            if p.weight_claimed == 0 and p.peer_id not in miner_peer_ids and p.peer_id != own_peer_id}
+
+
 class Validator(NeuronBase):
     role = "validator"
 
@@ -78,6 +96,9 @@ class Validator(NeuronBase):
         self._overtaken_in_a_row = 0  # rounds left unscored because another validator's round ran first
         self._moved_on_in_a_row: dict[str, int] = {}  # hotkey -> rounds in a row it moved on mid-check
         self._slot_start = time.time()  # when the current round's slot began (the shared round clock)
+        # Peer ids of the other validators met in our last round's group: named with the miners,
+        # so the group forms once they are in too (docs/protocol.md, "Several validators").
+        self._fellow_validators: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,6 +236,7 @@ class Validator(NeuronBase):
         self.stop.wait(max(0.0, allreduce_start(self._slot_start, self.cfg.validator.round_interval_s) - time.time()))
         self.tel.update(state=f"round {round_no}: all-reduce")
         record, averaged = self._allreduce(probes, round_no)
+        self._fellow_validators = fellow_validators(record, set(commitments_peer_ids(commitments)), self.swarm.peer_id)
         answers = [p.allreduce.epoch for p in probes if p.allreduce is not None]
         committed = [record.work_reports[p.peer_id].epoch for p in probes if p.peer_id in record.work_reports]
         overtaken = overtaken_by(record.ok, self.epoch, answers, asked=len(probes), committed_epochs=committed)
@@ -427,12 +449,14 @@ class Validator(NeuronBase):
 
     def _weight_cap(self) -> float:
         """The most samples an honest miner brings to a round: its local batch (Train pages are
-        computed aside and are not part of a contribution)."""
-        return float(self.cfg.training.local_batch_size)
+        computed aside and are not part of a contribution); in DiLoCo mode, H of them."""
+        steps = self.cfg.allreduce.diloco_inner_steps if self.bench.inner is not None else 1
+        return float(self.cfg.training.local_batch_size * steps)
 
     def _allreduce(self, probes: list[Probe], round_no: int):
         """Run the round with weight 0; return its record and the averaged gradient (not applied yet)."""
         from dtrain.api.client import ApiError
+        from dtrain.training.trajectory import TrajectoryReport
         from dtrain.training.work import WorkReport, work_nonce
         from dtrain.validation.verification import on_probation, train_passed, weight_caps
 
@@ -456,9 +480,11 @@ class Validator(NeuronBase):
         with ThreadPoolExecutor(max_workers=min(16, len(probes))) as pool:
             futures = [pool.submit(ask, p) for p in probes]
             tensors = [z.clone() for z in self.zeros]
-            record = self.swarm.run_round(tensors, weight=0.0, cap=0.0,
-                                          expected_peers=[p.peer_id for p in probes], timeout_s=deadline,
-                                          peer_caps=caps, stop=self.stop, work=WorkReport(epoch=self.epoch),
+            expected = sorted({p.peer_id for p in probes} | self._fellow_validators)
+            record = self.swarm.run_round(tensors, weight=0.0, cap=0.0, expected_peers=expected, timeout_s=deadline,
+                                          peer_caps=caps, stop=self.stop,
+                                          work=(TrajectoryReport.empty(self.epoch) if self.bench.inner is not None
+                                                else WorkReport(epoch=self.epoch)),
                                           work_nonce=work_nonce(self.bench.run_id, self.epoch))
             for f in futures:
                 f.result()
@@ -495,6 +521,9 @@ class Validator(NeuronBase):
         nonce = work_nonce(self.bench.run_id, self.epoch)
         # Drawn now, after every miner committed in the gather, from a secret it never sees.
         rng = random.Random(secrets.randbits(64))
+        if self.bench.inner is not None:
+            self._audit_trajectories(probes, record, rng)
+            return
         for probe in probes:
             # parsed and checked by the averager; a malformed one was refused in the gather
             report = record.work_reports.get(probe.peer_id)
@@ -518,6 +547,114 @@ class Validator(NeuronBase):
             probe.work = judge_work(report, id_problem, audits, expected_epoch=self.epoch)
             if not probe.work.passed:
                 probe.note = probe.work.problem
+
+    def _audit_trajectories(self, probes: list[Probe], record, rng: random.Random) -> None:
+        """DiLoCo: check each miner's committed inner steps, and replay a random stretch of them
+        from the snapshot before it (docs/protocol.md, "DiLoCo")."""
+        from dtrain.training.data import assign_pages
+        from dtrain.training.fingerprint import gradient_sketch
+        from dtrain.training.replica import sketch_distance, within_tolerance
+        from dtrain.training.trajectory import TrajectoryReport
+        from dtrain.training.work import WORK_SKETCH_K, work_nonce
+        from dtrain.validation.verification import check_page_ids, judge_trajectory, trajectory_shape_problem
+
+        reader = self.bench.reader
+        nonce = work_nonce(self.bench.run_id, self.epoch)
+        # The anchor every miner should have started from: ours (replicas differ in the last bits).
+        anchor = gradient_sketch(list(self.trainer.params), nonce, k=WORK_SKETCH_K).tolist()
+        for probe in probes:
+            report = record.work_reports.get(probe.peer_id)
+            if report is None or probe.shared_peer_id:
+                continue
+            if not isinstance(report, TrajectoryReport):
+                from dtrain.validation.verification import WorkVerdict
+
+                probe.work = WorkVerdict(int(report.samples), problem="per-step work report in a DiLoCo swarm")
+                probe.note = probe.work.problem
+                continue
+            if not report.steps:
+                continue
+
+            def expected(counter: int, uid=probe.uid) -> int:
+                return assign_pages(run_id=self.bench.run_id, uid=uid, epoch=self.epoch, page_counter=counter,
+                                    count=1, num_pages=reader.num_pages)[0]
+
+            problem = (trajectory_shape_problem(report, inner_steps=self.cfg.allreduce.diloco_inner_steps,
+                                                page_sequences=self.cfg.data.page_sequences)
+                       or check_page_ids(report.pages, expected))
+            if not problem and not within_tolerance(sketch_distance(report.start, anchor)):
+                problem = "inner steps did not start from this epoch's shared parameters"
+            audits, first = [], 0
+            if not problem:
+                problem, audits, first = self._replay_stretch(probe, report, rng, nonce)
+            probe.work = judge_trajectory(report, expected_epoch=self.epoch, problem=problem, audits=audits,
+                                          first_step=first)
+            if not probe.work.passed:
+                probe.note = probe.work.problem
+
+    def _replay_stretch(self, probe: Probe, report, rng: random.Random, nonce: str):
+        """Download the snapshot before a randomly chosen step, check it against its commitment
+        and replay up to that step. Returns (problem, step audits, first replayed step - 1)."""
+        from dtrain.api.client import ApiError
+        from dtrain.training import snapshots
+        from dtrain.training.fingerprint import Fingerprint, compare_fingerprints, gradient_sketch
+        from dtrain.training.replay import replay_steps
+        from dtrain.training.work import WORK_SKETCH_K
+        from dtrain.validation.verification import (
+            MOMENTS_RTOL, SNAPSHOT_RTOL, choose_replay_segment, sketch_mismatch, step_audit,
+        )
+
+        first, target = choose_replay_segment(len(report.steps), report.every, rng)
+        commit = report.snapshot_at(first)
+        inner = self.bench.inner
+        size = snapshots.snapshot_nbytes(inner.params)
+        data = bytearray()
+        try:
+            while len(data) < size:
+                # A miner that cannot serve what it committed is treated as having made it up:
+                # one that could choose when to fail would dodge exactly the audits it fears.
+                dl = self.client.state_slice(probe.api, probe.hotkey, len(data), min(SNAPSHOT_CHUNK, size - len(data)),
+                                             timeout=120, keep_data=True, snapshot=(self.epoch, first))
+                if not dl.data:
+                    break
+                data += dl.data
+            params, exp_avg, exp_avg_sq = snapshots.decode(bytes(data), [p.shape for p in inner.params])
+        except (ApiError, snapshots.SnapshotError) as exc:
+            return f"snapshot at inner step {first} not served ({exc})", [], first
+        measured = gradient_sketch(params, nonce, k=WORK_SKETCH_K).tolist()
+        if sketch_mismatch(report.params_sketch_after(first), measured, SNAPSHOT_RTOL):
+            return f"snapshot at inner step {first} is not the committed parameters", [], first
+        if first > 0 and (
+                sketch_mismatch(commit.exp_avg, gradient_sketch(exp_avg, nonce, k=WORK_SKETCH_K).tolist(),
+                                SNAPSHOT_RTOL)
+                or sketch_mismatch(commit.exp_avg_sq, gradient_sketch(exp_avg_sq, nonce, k=WORK_SKETCH_K).tolist(),
+                                   SNAPSHOT_RTOL)):
+            return f"snapshot at inner step {first} is not the committed optimizer state", [], first
+        snapshots.load_inner_state(inner, params, exp_avg, exp_avg_sq, first)
+        replayed = replay_steps(inner, report.steps[first:target], first_step=first, epoch=self.epoch,
+                                inner_steps=self.cfg.allreduce.diloco_inner_steps,
+                                read_page=lambda page: self.bench.reader.read_pages([page]), nonce=nonce,
+                                k=WORK_SKETCH_K, warmup=self.cfg.allreduce.diloco_inner_warmup)
+        audits = []
+        for entry, mine in zip(report.steps[first:target], replayed):
+            # The gradient tells the pages apart; the update, that AdamW was applied as committed.
+            gradient = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.grad_sketch, samples=entry.samples),
+                                            Fingerprint(loss=mine.loss, sketch=mine.grad_sketch, samples=mine.samples))
+            update = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples),
+                                          Fingerprint(loss=mine.loss, sketch=mine.sketch, samples=mine.samples))
+            audits.append(step_audit(entry, gradient, update))
+        following = report.snapshot_at(target)
+        if following is not None and all(a.passed for a in audits):
+            # The stretch ends where the next snapshot was taken: its committed moments must be
+            # the ones these steps produce, or that snapshot's optimizer state was made up.
+            _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
+            if (sketch_mismatch(following.exp_avg, gradient_sketch(exp_avg, nonce, k=WORK_SKETCH_K).tolist(),
+                                MOMENTS_RTOL)
+                    or sketch_mismatch(following.exp_avg_sq,
+                                       gradient_sketch(exp_avg_sq, nonce, k=WORK_SKETCH_K).tolist(), MOMENTS_RTOL)):
+                return (f"the optimizer state committed at inner step {target} is not what steps {first + 1}-{target} "
+                        "produce"), audits, first
+        return "", audits, first
 
     def _score(self, probes: list[Probe], record, neurons) -> dict:
         from dtrain.swarm.records import Outcome

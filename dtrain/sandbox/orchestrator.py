@@ -41,6 +41,7 @@ class SandboxOptions:
     rounds: int = 2
     validators: int = 1
     adversaries: list[str] = field(default_factory=list)
+    mode: str = "gradient"  # allreduce.mode: gradient or diloco
     directory: Path | None = None
     round_timeout_s: float = 240.0
 
@@ -61,7 +62,14 @@ def validator_names(count: int) -> list[str]:
     return ["validator"] if count == 1 else [f"validator{i}" for i in range(1, count + 1)]
 
 
-def neuron_config(root: Path, member: Member, total_miners: int, validators: int = 1) -> Config:
+# DiLoCo in the sandbox: H inner steps of a quarter-size local batch fit one round slot, and a
+# snapshot every 4 steps keeps each validator's replay to at most 4 steps per miner.
+SANDBOX_DILOCO_H, SANDBOX_DILOCO_BATCH, SANDBOX_SNAPSHOT_EVERY = 8, 16, 4
+SANDBOX_DILOCO_WARMUP = 2  # the ramp of the production default (a tenth of H), at least one ramped step
+
+
+def neuron_config(root: Path, member: Member, total_miners: int, validators: int = 1,
+                  mode: str = "gradient") -> Config:
     """The config every sandbox neuron runs with: tiny model, shipped text, loopback only."""
     cfg = Config()
     cfg.wallet.name, cfg.wallet.hotkey, cfg.wallet.path = member.name, "default", str(layout.wallets_dir(root))
@@ -87,6 +95,12 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     a.min_group_size, a.target_group_size = 2, 64
     a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 3.0, 30.0
     a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    if mode == "diloco":
+        a.mode, a.diloco_inner_steps, a.diloco_snapshot_every = "diloco", SANDBOX_DILOCO_H, SANDBOX_SNAPSHOT_EVERY
+        a.diloco_inner_warmup = SANDBOX_DILOCO_WARMUP
+        m.local_batch_size = SANDBOX_DILOCO_BATCH
+        # H local steps take longer than one local batch: a slot long enough for them.
+        v.round_interval_s = max(v.round_interval_s, 6.0)
     cfg.hub.repo, cfg.hub.backoff_s = str(layout.store_dir(root)), 2.0
     cfg.api.host, cfg.api.port, cfg.api.metrics_port = "127.0.0.1", 0, 0
     cfg.dashboard.enabled = False
@@ -156,11 +170,14 @@ class Sandbox:
         for member in members:
             ndir = layout.neuron_dir(self.root, member.name)
             ndir.mkdir(parents=True, exist_ok=True)
-            save_config(neuron_config(self.root, member, total_miners, self.options.validators), ndir / "config.toml", overwrite=True)
+            save_config(neuron_config(self.root, member, total_miners, self.options.validators, self.options.mode),
+                        ndir / "config.toml", overwrite=True)
         layout.store_dir(self.root).mkdir(exist_ok=True)
         layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,
                                                    "netuid": NETUID, "run_id": RUN_ID,
-                                                   "validators": self.options.validators})
+                                                   "validators": self.options.validators,
+                                                   "mode": self.options.mode,
+                                                   "diloco_inner_steps": SANDBOX_DILOCO_H})
         self.members = members
         count = self.options.validators
         self.on_event(f"registered {count} validator{'s' if count > 1 else ''} and {total_miners} miners with "

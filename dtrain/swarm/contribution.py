@@ -27,17 +27,48 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from dtrain.swarm.compat import BLOCKWISE_ERROR_BOUND, canonical_compression
 from dtrain.training.fingerprint import range_sketch
 from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError
 
-# How far the sum of the claims may be from the report's mean sketch, relative to its norm.
-# The claims are of the compressed parts, the pages' sketches of the exact gradient, so the
-# bound is the compression's relative error (measured in tests/test_swarm_commitments.py)
-# with headroom; without compression only float32 rounding separates them.
-BINDING_RTOL = {"none": 1e-4, "fp16": 5e-3, "8bit": 0.1, "8bit-quantile": 0.1}
-# A received part against its claim: both are sketches of the very same float32 values.
+# How far the sum of the claims may be from the report's mean sketch, relative to its norm
+# (the binding check). The claims are sketches of the parts as decoded, the report's of the exact
+# gradient, so an honest peer's binding error is the sketch of the codec's error e against the
+# sketch of its contribution x: ||S e|| / ||S x||. The tolerance follows one rule for every codec
+# with a proven relative error bound eps (||e|| <= eps ||x|| for every input):
+#
+#     rho = SKETCH_MARGIN * eps.
+#
+# For a contribution of many more than k = 64 effective coordinates the sketch of a vector is
+# k near-Gaussian buckets, so ||S e||^2 / ||S x||^2 is about (||e|| / ||x||)^2 times an F(64, 64)
+# variable; F(64, 64) exceeds SKETCH_MARGIN^2 = 16 with probability 6e-23. An honest peer at the
+# worst case of its codec is therefore never excluded, and a contribution that deviates from its
+# committed mean by SKETCH_MARGIN * rho or more (relative L2) is refused with the same odds:
+# with 8-bit that is 0.5, the smallest of the cheats the sandbox plays (x0.5, noise at half the
+# norm; negated 2, zeroed 1, x2 1, a replayed gradient about 1.4). Measured margins are in
+# tests/test_swarm_compression.py and docs/swarm.md ("Wire compression").
+SKETCH_MARGIN = 4.0
+# Per codec: none: the claims are exact, only float32 summation order separates them (the old
+# 1e-4, far above it); fp16: round-to-nearest half-precision is within 2**-11 relative per element
+# in its normal range [6.1e-5, 65504], so rho = 4 * 2**-11 ~ 2e-3 is the rule's value, but values
+# below 6.1e-5 lose precision (below 6e-8 they vanish) and per-element gradients are often that
+# small, so fp16 keeps the measured-with-headroom 5e-3 and is not recommended for tiny gradients;
+# 8bit: dtrain's blockwise codec, eps = sqrt(63)/254 (dtrain.swarm.compat.BLOCKWISE_ERROR_BOUND);
+# 8bit-uniform / 8bit-quantile: hivemind's codecs have no bound (measured 0.48-0.78 on heavy-tailed
+# or sparse gradients), they get 8bit's tolerance so cheats are caught alike, and an honest peer
+# with such gradients can be excluded: experiments only.
+_EIGHT_BIT_RTOL = SKETCH_MARGIN * BLOCKWISE_ERROR_BOUND
+BINDING_RTOL = {"none": 1e-4, "fp16": 5e-3, "8bit": _EIGHT_BIT_RTOL, "8bit-uniform": _EIGHT_BIT_RTOL,
+                "8bit-quantile": _EIGHT_BIT_RTOL}
+# A received part against its claim: both are sketches of the very same decoded float32 values
+# (the sender decodes its own encoding, the codecs are deterministic), so only the order of
+# float64 additions could separate them; 1e-4 is far above that and far below any altered part.
 PART_RTOL = 1e-4
-ABS_FLOOR = 1e-12
+# Both checks are relative, so they hold a contribution of tiny values (a late-training gradient,
+# a short DiLoCo step) to the same standard as a large one; only norms at float64's underflow,
+# that is exact zeros, fall back to comparing absolutely. (An absolute 1e-12 let any cheat whose
+# gradient sketch was below it pass both checks.)
+ABS_FLOOR = 1e-300
 
 
 @dataclass(frozen=True)
@@ -106,7 +137,9 @@ class Commitment:
         arr = np.frombuffer(claims, dtype="<f4").reshape(num_parts, k)
         if not np.isfinite(arr).all():
             raise WorkReportError("claims hold non-finite values")
-        return cls(nonce=nonce, report=WorkReport.from_wire(data.get("work"), k=k), claims=arr)
+        from dtrain.training.trajectory import parse_report
+
+        return cls(nonce=nonce, report=parse_report(data.get("work"), k=k), claims=arr)
 
     def to_gather(self) -> dict:
         return {"nonce": self.nonce, "work": self.report.to_wire(), "claims": self.claims.astype("<f4").tobytes()}
@@ -119,12 +152,20 @@ OTHER_EPOCH = "work committed under another epoch's nonce"
 def binding_error(commitment: Commitment) -> float:
     """||sum of claims - report mean sketch|| / ||report mean sketch|| (inf if undefined)."""
     folded = commitment.claims.astype(np.float64).sum(axis=0)
-    expected = np.asarray(commitment.report.mean_sketch(k=commitment.claims.shape[1]), dtype=np.float64)
+    expected = np.asarray(commitment.report.contribution_sketch(k=commitment.claims.shape[1]), dtype=np.float64)
     num = float(np.linalg.norm(folded - expected))
     den = float(np.linalg.norm(expected))
     if den <= ABS_FLOOR:
         return 0.0 if num <= ABS_FLOOR else math.inf
     return num / den
+
+
+def binding_rtol(compression: str) -> float:
+    """The binding tolerance of a compression setting (any alias; an unknown name gets the loosest)."""
+    try:
+        return BINDING_RTOL[canonical_compression(compression)]
+    except ValueError:
+        return max(BINDING_RTOL.values())
 
 
 def binding_verdict(commitment: Optional[Commitment], *, weight: float, nonce: str, compression: str) -> str:
@@ -136,7 +177,7 @@ def binding_verdict(commitment: Optional[Commitment], *, weight: float, nonce: s
     if weight > commitment.report.samples:
         return f"claims weight {weight:g} but committed {commitment.report.samples} samples"
     err = binding_error(commitment)
-    if not err <= BINDING_RTOL.get(compression, BINDING_RTOL["8bit"]):
+    if not err <= binding_rtol(compression):
         return f"contribution does not match its committed pages (sketch error {err:.2g})"
     return ""
 

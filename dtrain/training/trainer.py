@@ -27,7 +27,7 @@ import torch
 from dtrain.training.errors import TrainerStateError
 from dtrain.training.fingerprint import DEFAULT_K, Fingerprint, gradient_sketch
 
-OPTIMIZERS = ("adamw", "lamb")
+OPTIMIZERS = ("adamw", "lamb", "nesterov")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -49,6 +49,8 @@ class TrainerConfig:
     # None: torch's fused AdamW on CUDA, the plain one elsewhere. Replicas that differ here
     # drift apart by rounding only; docs/scoring.md gives the measured drift and tolerance.
     fused: bool | None = None
+    # Only for optimizer "nesterov" (DiLoCo's outer step: SGD with Nesterov momentum).
+    momentum: float = 0.9
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -145,6 +147,9 @@ def build_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cfg.optimizer == "nesterov":
+        # DiLoCo's outer optimizer: every peer applies it to the same averaged pseudo-gradient.
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
     if cfg.optimizer == "adamw":
         kw = {}
         fused = torch.device(cfg.device).type == "cuda" if cfg.fused is None else cfg.fused
@@ -257,6 +262,31 @@ class Trainer:
                 fp = Fingerprint(loss=v, sketch=tuple(sketch.tolist()), samples=samples, nonce=nonce)
             out.append(MicroBatchResult(loss=v, samples=n, fingerprint=fp))
         return out
+
+    # ------------------------------------------------------------- DiLoCo inner loop
+    def reset_optimizer_state(self) -> None:
+        """Forget the optimizer's moments and step counts (a fresh start, as at construction).
+
+        DiLoCo's inner loop restarts from zero moments at every outer step, so that a validator
+        can replay any segment of it from a committed snapshot (docs/protocol.md, "DiLoCo").
+        """
+        from collections import defaultdict
+
+        self.optimizer.state = defaultdict(dict)
+        self.zero_grad()
+
+    def set_schedule_position(self, step: int) -> None:
+        """Put the learning-rate schedule at ``step`` (the next ``step()`` uses its rate)."""
+        sched = self.scheduler
+        sched.last_epoch = int(step)
+        for group, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * fn(sched.last_epoch)
+
+    @torch.no_grad()
+    def copy_parameters_from(self, params: Sequence[torch.Tensor]) -> None:
+        """Overwrite this replica's parameters (same order and shapes) with ``params``."""
+        for p, src in zip(self.params, params, strict=True):
+            p.copy_(src.to(p.device, p.dtype))
 
     # ------------------------------------------------------------- gradient access
     def gradients(self) -> list[torch.Tensor]:

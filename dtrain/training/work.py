@@ -66,6 +66,9 @@ class WorkReport:
         n = self.samples
         return [v / n for v in total] if n > 0 else total
 
+    # What the contribution's claims must add up to (the DiLoCo report has its own).
+    contribution_sketch = mean_sketch
+
     def to_wire(self) -> dict:
         """Compact form for the gather: sketches as little-endian float64 bytes."""
         return {"e": int(self.epoch),

@@ -26,6 +26,8 @@ def _header(doc: Mapping[str, Any]) -> RenderableType:
     head.append(f"  block {doc['block']:,}" if isinstance(doc.get("block"), int) else
                 f"  block {doc.get('block') if doc.get('block') is not None else '—'}")
     head.append(f"  global epoch {g.get('epoch', '—')}", style="bold cyan")
+    if doc.get("mode") == "diloco":
+        head.append(f"  DiLoCo, H = {doc.get('diloco_inner_steps') or '?'} inner steps per round")
     grid = Table.grid(padding=(0, 1))
     grid.add_row(head)
     bar = Table.grid(padding=(0, 1))

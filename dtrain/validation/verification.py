@@ -11,6 +11,8 @@ every decision about what it measured is made here, once:
   validator's secret randomness *after* the miner committed to them in the round's gather;
 - ``check_page_ids``: whether the committed pages are the miner's own assignment;
 - ``judge_work``: the work verdict from those checks and the recomputations;
+- ``choose_replay_segment``, ``trajectory_shape_problem``, ``sketch_mismatch``, ``judge_trajectory``:
+  the same for a DiLoCo miner's committed inner steps (a replayed stretch instead of pages);
 - ``on_probation``, ``update_probation``: miners whose work failed an audit get no weight
   and no score for ``PROBATION_ROUNDS`` rounds;
 - ``round_input``: the scoring input (dtrain.validation.scoring) built from all of it.
@@ -158,6 +160,77 @@ def page_audit(entry, comparison) -> PageAudit:
     return PageAudit(page=entry.page, counter=entry.counter, passed=bool(comparison.passed),
                      cosine=float(comparison.cosine), norm_ratio=float(comparison.norm_ratio),
                      loss_diff=float(comparison.loss_diff), reasons=tuple(comparison.reasons))
+
+
+# ------------------------------------------------------------------ DiLoCo trajectories
+
+# A snapshot's sketches describe the very float32 values it serves: only float64 summation
+# order separates the miner's from ours.
+SNAPSHOT_RTOL = 1e-9
+# The moments a replay ends with against the next snapshot's commitment: honest replicas
+# differ by rounding (another AdamW kernel: ~1e-7 relative); made-up moments by order one.
+MOMENTS_RTOL = 1e-3
+
+
+def choose_replay_segment(num_steps: int, every: int, rng: random.Random) -> tuple[int, int] | None:
+    """The stretch of a DiLoCo trajectory a validator replays: ``(first, last)``, the steps
+    ``first + 1 ... last`` between two consecutive snapshots (the last stretch may be shorter),
+    chosen uniformly among the stretches.
+
+    A whole stretch is replayed so that its end can be compared with the next snapshot's
+    committed moments: that is what makes a snapshot's optimizer state evidence rather than
+    a claim. A trajectory with k made-up steps is caught with probability at least k / steps.
+    ``rng`` is seeded from the validator's secret after the gather, as for page audits.
+    """
+    if num_steps <= 0 or every <= 0:
+        return None
+    first = rng.randrange(0, num_steps, every)
+    return first, min(first + every, num_steps)
+
+
+def trajectory_shape_problem(report, *, inner_steps: int, page_sequences: int) -> str:
+    """"" when a trajectory is the right size for the swarm's settings, else the problem."""
+    if len(report.steps) > inner_steps:
+        return f"commits {len(report.steps)} inner steps, more than allreduce.diloco_inner_steps = {inner_steps}"
+    for i, s in enumerate(report.steps, start=1):
+        if s.samples > len(s.pages) * page_sequences:
+            return f"inner step {i} claims {s.samples} samples from {len(s.pages)} pages"
+    return ""
+
+
+def sketch_mismatch(claimed: Sequence[float], measured: Sequence[float], rtol: float) -> bool:
+    """Whether two sketches of the same values differ beyond ``rtol`` of the larger norm."""
+    if len(claimed) != len(measured):
+        return True
+    num = math.sqrt(sum((a - b) ** 2 for a, b in zip(claimed, measured)))
+    den = max(math.sqrt(sum(a * a for a in claimed)), math.sqrt(sum(b * b for b in measured)))
+    return num > rtol * den + 1e-30
+
+
+def step_audit(entry, gradient, update) -> PageAudit:
+    """A replayed inner step as a PageAudit (named by its first page): both its gradient's and
+    its update's comparisons (``dtrain.training.fingerprint.Comparison``, duck-typed) must pass.
+    The figures are the gradient's, the sharper test of the pages."""
+    reasons = tuple(f"gradient {r}" for r in gradient.reasons) + tuple(f"update {r}" for r in update.reasons
+                                                                       if not r.startswith("loss"))
+    return PageAudit(page=entry.pages[0], counter=entry.counters[0], passed=bool(gradient.passed and update.passed),
+                     cosine=float(gradient.cosine), norm_ratio=float(gradient.norm_ratio),
+                     loss_diff=float(gradient.loss_diff), reasons=reasons)
+
+
+def judge_trajectory(report, *, expected_epoch: int, problem: str, audits: Sequence[PageAudit],
+                     first_step: int = 0) -> WorkVerdict:
+    """The work verdict of a DiLoCo trajectory: its shape, pages, snapshot and replayed steps."""
+    committed = int(report.samples)
+    if report.epoch != expected_epoch:
+        return WorkVerdict(committed, tuple(audits), f"work committed for epoch {report.epoch}, not {expected_epoch}")
+    if problem:
+        return WorkVerdict(committed, tuple(audits), problem)
+    for i, a in enumerate(audits, start=first_step + 1):
+        if not a.passed:
+            why = "; ".join(a.reasons) or "replay differs"
+            return WorkVerdict(committed, tuple(audits), f"inner step {i} failed its replay ({why})")
+    return WorkVerdict(committed, tuple(audits))
 
 
 # ------------------------------------------------------------------ probation

@@ -1,0 +1,127 @@
+"""DiLoCo snapshots: the inner-loop state a miner keeps so validators can replay its steps.
+
+A snapshot is the inner trainer's state after some number of inner steps: parameters, then
+AdamW's ``exp_avg``, then ``exp_avg_sq``, each in the trainer's parameter order, flattened,
+float32 little-endian. It is stored as one raw file per (epoch, step), written atomically,
+and served byte ranges at a time through ``/v1/state-slice`` (``epoch`` and ``snapshot``
+fields), so a validator downloads it with the same signed, size-capped client as the
+bandwidth check. The miner commits each snapshot's sketches in its trajectory report
+(``dtrain.training.trajectory``) before anyone asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+SECTIONS = 3  # params, exp_avg, exp_avg_sq
+_NAME = re.compile(r"^e(\d+)-s(\d+)\.bin$")
+
+
+class SnapshotError(Exception):
+    """A snapshot that is missing, or bytes that do not decode as one."""
+
+
+def snapshot_nbytes(params: Sequence[torch.Tensor]) -> int:
+    return SECTIONS * 4 * sum(p.numel() for p in params)
+
+
+def inner_state(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(params, exp_avg, exp_avg_sq) of ``trainer`` as float32 CPU tensors (zeros before a step)."""
+    params, m, v = [], [], []
+    for p in trainer.params:
+        state = trainer.optimizer.state.get(p, {})
+        params.append(p.detach().to("cpu", torch.float32))
+        for key, out in (("exp_avg", m), ("exp_avg_sq", v)):
+            t = state.get(key)
+            out.append(t.detach().to("cpu", torch.float32) if t is not None else torch.zeros(p.shape))
+    return params, m, v
+
+
+def encode(params: Sequence[torch.Tensor], exp_avg: Sequence[torch.Tensor], exp_avg_sq: Sequence[torch.Tensor]) -> bytes:
+    parts = [t.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy().astype("<f4", copy=False).tobytes()
+             for section in (params, exp_avg, exp_avg_sq) for t in section]
+    return b"".join(parts)
+
+
+def decode(data: bytes, shapes: Sequence[torch.Size]):
+    """(params, exp_avg, exp_avg_sq) from snapshot bytes; SnapshotError when they do not fit."""
+    sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
+    total = sum(sizes)
+    if len(data) != SECTIONS * 4 * total:
+        raise SnapshotError(f"snapshot has {len(data)} bytes, this model's is {SECTIONS * 4 * total}")
+    flat = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+    if not bool(torch.isfinite(flat).all()):
+        raise SnapshotError("snapshot holds non-finite values")
+    sections, offset = [], 0
+    for _ in range(SECTIONS):
+        tensors = []
+        for shape, n in zip(shapes, sizes):
+            tensors.append(flat[offset:offset + n].reshape(shape).clone())
+            offset += n
+        sections.append(tensors)
+    if any(bool((t < 0).any()) for t in sections[2]):
+        raise SnapshotError("snapshot's second moments are negative")
+    return sections[0], sections[1], sections[2]
+
+
+@torch.no_grad()
+def load_inner_state(trainer, params, exp_avg, exp_avg_sq, step: int) -> None:
+    """Make ``trainer`` (AdamW) continue from a snapshot taken after ``step`` inner steps."""
+    trainer.copy_parameters_from(params)
+    trainer.reset_optimizer_state()
+    if step <= 0:
+        return  # fresh moments: exactly the state a new outer step starts from
+    index = {id(p): i for i, p in enumerate(q for g in trainer.optimizer.param_groups for q in g["params"])}
+    state = {index[id(p)]: {"step": torch.tensor(float(step)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+             for p, m, v in zip(trainer.params, exp_avg, exp_avg_sq)}
+    current = trainer.optimizer.state_dict()
+    # load_state_dict puts every tensor where this optimizer keeps it (device, dtype).
+    trainer.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+class SnapshotStore:
+    """Snapshot files under one directory, one per (epoch, step), kept for a few epochs."""
+
+    def __init__(self, root: Path, keep_epochs: int = 2):
+        self.root = Path(root)
+        self.keep_epochs = keep_epochs
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, epoch: int, step: int) -> Path:
+        return self.root / f"e{int(epoch)}-s{int(step)}.bin"
+
+    def save(self, epoch: int, step: int, data: bytes) -> None:
+        final = self.path(epoch, step)
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)  # a reader sees the whole snapshot or none
+
+    def read(self, epoch: int, step: int, offset: int, length: int) -> bytes:
+        path = self.path(epoch, step)
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, int(offset)))
+                return fh.read(max(0, int(length)))
+        except FileNotFoundError:
+            raise SnapshotError(f"no snapshot for epoch {epoch} step {step}") from None
+
+    def prune(self, current_epoch: int) -> None:
+        """Drop snapshots of epochs older than the last ``keep_epochs`` (audits come right after a round)."""
+        for entry in self.root.iterdir():
+            match = _NAME.match(entry.name)
+            if match and int(match.group(1)) <= current_epoch - self.keep_epochs:
+                entry.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)

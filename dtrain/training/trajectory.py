@@ -1,0 +1,267 @@
+"""DiLoCo work reports: the committed trajectory of a miner's inner steps.
+
+In DiLoCo mode (``allreduce.mode = "diloco"``) a miner takes up to H inner AdamW steps on
+its own pages, starting from the shared parameters of the epoch (the *anchor*) with fresh
+optimizer moments, and puts ``anchor - params`` (the pseudo-gradient) into the round. What it
+commits in the round's gather, before any validator chooses what to check:
+
+* ``start``: the work sketch (``dtrain.training.fingerprint.gradient_sketch`` under the
+  epoch's public work nonce) of the parameters it started from, ``c_0``;
+* per inner step t: the page counters and page ids it trained, their sample count and mean
+  loss, the sketch of the step's sample-summed gradient ``g_t`` (as a per-step page's), and
+  the sketch of the step's update ``u_t = c_{t-1} - c_t`` (``c_t`` is the sketch of the
+  parameters after step t);
+* every ``every`` steps (t = 0, every, 2 every, ...): the sketches of the AdamW moments
+  (``exp_avg``, ``exp_avg_sq``) at that point: a *snapshot* the miner keeps and serves.
+
+Sketches are linear, so the pseudo-gradient's sketch is ``sum(u_t)`` (``contribution_sketch``):
+the same binding rule as per-step mode ties what a miner sends to what it committed
+(``dtrain.swarm.contribution``). A validator then replays one randomly chosen stretch from
+the snapshot before it (Proof-of-Learning's segment replay) and compares both sketches of
+every replayed step (docs/protocol.md, "DiLoCo"). The gradient's sketch is what tells data
+apart: an AdamW update is mostly the momentum carried in, so two steps from the same state
+on different pages still move the parameters almost alike. Made-up steps are caught with
+the probability that the replay covers one.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from dtrain.training.work import MAX_REPORT_PAGES, WORK_SKETCH_K, WorkReport, WorkReportError, work_nonce
+
+TRAJECTORY_MODE = "diloco"
+# A step names at most this many pages: a local batch is a handful of pages; the bound keeps
+# a hostile gather cheap to parse.
+MAX_STEP_PAGES = 4096
+
+
+def _pack(values: Sequence[float]) -> bytes:
+    return struct.pack(f"<{len(values)}d", *values)
+
+
+def _unpack(blob: object, k: int, what: str) -> tuple[float, ...]:
+    if not isinstance(blob, bytes) or len(blob) != 8 * k:
+        raise WorkReportError(f"{what} must be {8 * k} bytes")
+    values = struct.unpack(f"<{k}d", blob)
+    if not all(math.isfinite(v) for v in values):
+        raise WorkReportError(f"{what} holds non-finite values")
+    return values
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class InnerStepWork:
+    """One committed inner step: its pages (own counters and ids), samples, loss and update sketch."""
+
+    counters: tuple[int, ...]
+    pages: tuple[int, ...]
+    samples: int
+    loss: float
+    sketch: tuple[float, ...]  # u_t = c_{t-1} - c_t
+    grad_sketch: tuple[float, ...] = ()  # sketch of the step's sample-summed gradient
+
+
+@dataclass(frozen=True)
+class SnapshotCommit:
+    """The moments' sketches at a snapshot: after ``step`` inner steps (0 = the start)."""
+
+    step: int
+    exp_avg: tuple[float, ...]
+    exp_avg_sq: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class TrajectoryReport:
+    epoch: int
+    every: int
+    start: tuple[float, ...]
+    steps: tuple[InnerStepWork, ...] = field(default_factory=tuple)
+    snapshots: tuple[SnapshotCommit, ...] = field(default_factory=tuple)
+
+    mode = TRAJECTORY_MODE
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.steps)
+
+    @property
+    def pages(self) -> tuple:
+        """Every committed page in training order, as (page, counter) pairs."""
+        return tuple(_Page(p, c) for s in self.steps for p, c in zip(s.pages, s.counters))
+
+    def contribution_sketch(self, k: int = WORK_SKETCH_K) -> list[float]:
+        """Sketch of the pseudo-gradient the steps give: ``c_0 - c_T`` = the sum of the updates."""
+        total = [0.0] * k
+        for s in self.steps:
+            for i, v in enumerate(s.sketch):
+                total[i] += v
+        return total
+
+    mean_sketch = contribution_sketch  # the name the per-step report's binding rule reads
+
+    def params_sketch_after(self, step: int) -> list[float]:
+        """``c_step``: the sketch of the parameters after ``step`` inner steps."""
+        out = list(self.start)
+        for s in self.steps[:step]:
+            for i, v in enumerate(s.sketch):
+                out[i] -= v
+        return out
+
+    def snapshot_at(self, step: int) -> SnapshotCommit | None:
+        return next((s for s in self.snapshots if s.step == step), None)
+
+    def to_wire(self) -> dict:
+        return {"m": TRAJECTORY_MODE, "e": int(self.epoch), "every": int(self.every), "c0": _pack(self.start),
+                "s": [[list(s.counters), list(s.pages), s.samples, float(s.loss), _pack(s.sketch), _pack(s.grad_sketch)]
+                      for s in self.steps],
+                "snap": [[s.step, _pack(s.exp_avg), _pack(s.exp_avg_sq)] for s in self.snapshots]}
+
+    @classmethod
+    def from_wire(cls, data: object, k: int = WORK_SKETCH_K) -> "TrajectoryReport":
+        if not isinstance(data, dict) or data.get("m") != TRAJECTORY_MODE:
+            raise WorkReportError("not a DiLoCo trajectory report")
+        epoch, every, steps_in, snaps_in = data.get("e"), data.get("every"), data.get("s"), data.get("snap")
+        if not (_int(epoch) and _int(every) and every >= 1):
+            raise WorkReportError("trajectory needs an integer epoch 'e' and a snapshot interval 'every' >= 1")
+        if not isinstance(steps_in, list) or not isinstance(snaps_in, list):
+            raise WorkReportError("trajectory needs a step list 's' and a snapshot list 'snap'")
+        if len(steps_in) > MAX_REPORT_PAGES:
+            raise WorkReportError(f"trajectory names {len(steps_in)} steps, more than {MAX_REPORT_PAGES}")
+        start = _unpack(data.get("c0"), k, "start sketch")
+        steps, last_counter = [], -1
+        for entry in steps_in:
+            if not (isinstance(entry, list) and len(entry) == 6):
+                raise WorkReportError("each step must be [counters, pages, samples, loss, update sketch, gradient sketch]")
+            counters, pages, samples, loss, blob, grad_blob = entry
+            if not (isinstance(counters, list) and isinstance(pages, list) and 1 <= len(counters) == len(pages)
+                    <= MAX_STEP_PAGES):
+                raise WorkReportError("a step needs matching, non-empty counter and page lists")
+            if not all(_int(x) and x >= 0 for x in (*counters, *pages)):
+                raise WorkReportError("page counters and ids must be non-negative integers")
+            for c in counters:
+                if c <= last_counter:
+                    raise WorkReportError("page counters must be strictly increasing across the steps")
+                last_counter = c
+            if not (_int(samples) and samples >= 1):
+                raise WorkReportError("step samples must be an integer >= 1")
+            if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
+                raise WorkReportError("step loss must be a finite number")
+            steps.append(InnerStepWork(counters=tuple(counters), pages=tuple(pages), samples=samples,
+                                       loss=float(loss), sketch=_unpack(blob, k, "step sketch"),
+                                       grad_sketch=_unpack(grad_blob, k, "step gradient sketch")))
+        snapshots = []
+        for entry in snaps_in:
+            if not (isinstance(entry, list) and len(entry) == 3 and _int(entry[0])):
+                raise WorkReportError("each snapshot must be [step, exp_avg sketch, exp_avg_sq sketch]")
+            snapshots.append(SnapshotCommit(step=entry[0], exp_avg=_unpack(entry[1], k, "snapshot sketch"),
+                                            exp_avg_sq=_unpack(entry[2], k, "snapshot sketch")))
+        # A snapshot before every stretch of `every` steps: the replay of any step starts at one.
+        wanted = list(range(0, len(steps), every))
+        if [s.step for s in snapshots] != wanted:
+            raise WorkReportError(f"snapshots must be at steps {wanted[:8]}{'...' if len(wanted) > 8 else ''}")
+        return cls(epoch=epoch, every=every, start=start, steps=tuple(steps), snapshots=tuple(snapshots))
+
+    @classmethod
+    def empty(cls, epoch: int, k: int = WORK_SKETCH_K) -> "TrajectoryReport":
+        """What a peer that brings no work (a validator, weight 0) commits."""
+        return cls(epoch=int(epoch), every=1, start=(0.0,) * k)
+
+
+@dataclass(frozen=True)
+class _Page:
+    page: int
+    counter: int
+
+
+def parse_report(data: object, k: int = WORK_SKETCH_K):
+    """A gather's work report: a per-step WorkReport, or a DiLoCo TrajectoryReport."""
+    if isinstance(data, dict) and "m" in data:
+        return TrajectoryReport.from_wire(data, k=k)
+    return WorkReport.from_wire(data, k=k)
+
+
+class TrajectoryLog:
+    """The miner's running record of its inner steps since the epoch's anchor.
+
+    :meth:`start` at the anchor, :meth:`record_step` after each inner step, and
+    :meth:`record_snapshot` whenever :meth:`snapshot_due` says so (the caller stores the
+    state itself: see ``dtrain.training.snapshots``).
+    """
+
+    def __init__(self, run_id: str, every: int, k: int = WORK_SKETCH_K):
+        if every < 1:
+            raise ValueError("snapshot interval must be >= 1")
+        self.run_id, self.every, self.k = run_id, int(every), k
+        self.epoch = 0
+        self._start: tuple[float, ...] = (0.0,) * k
+        self._last: list[float] = [0.0] * k
+        self._steps: list[InnerStepWork] = []
+        self._snapshots: list[SnapshotCommit] = []
+
+    @property
+    def nonce(self) -> str:
+        return work_nonce(self.run_id, self.epoch)
+
+    @property
+    def steps_done(self) -> int:
+        return len(self._steps)
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self._steps)
+
+    def start(self, epoch: int, params: Sequence) -> None:
+        from dtrain.training.fingerprint import gradient_sketch
+
+        self.epoch = int(epoch)
+        self._last = gradient_sketch(list(params), self.nonce, k=self.k).tolist()
+        self._start = tuple(self._last)
+        self._steps, self._snapshots = [], []
+
+    def snapshot_due(self) -> bool:
+        """Whether the state now (after ``steps_done`` steps) must be kept as a snapshot."""
+        return self.steps_done % self.every == 0 and self.snapshot_at(self.steps_done) is None
+
+    def snapshot_at(self, step: int) -> SnapshotCommit | None:
+        return next((s for s in self._snapshots if s.step == step), None)
+
+    def record_snapshot(self, exp_avg: Sequence, exp_avg_sq: Sequence) -> SnapshotCommit:
+        from dtrain.training.fingerprint import gradient_sketch
+
+        entry = SnapshotCommit(step=self.steps_done,
+                               exp_avg=tuple(gradient_sketch(list(exp_avg), self.nonce, k=self.k).tolist()),
+                               exp_avg_sq=tuple(gradient_sketch(list(exp_avg_sq), self.nonce, k=self.k).tolist()))
+        self._snapshots.append(entry)
+        return entry
+
+    def gradient_sketch(self, gradients: Sequence) -> tuple[float, ...]:
+        """The sketch of a step's accumulated (sample-summed) gradient: take it before the step."""
+        from dtrain.training.fingerprint import gradient_sketch
+
+        return tuple(gradient_sketch(list(gradients), self.nonce, k=self.k).tolist())
+
+    def record_step(self, *, counters: Sequence[int], pages: Sequence[int], samples: int, loss: float,
+                    params: Sequence, grad_sketch: Sequence[float]) -> InnerStepWork:
+        """Record a step just taken: ``params`` after it, ``grad_sketch`` from before it."""
+        from dtrain.training.fingerprint import gradient_sketch
+
+        now = gradient_sketch(list(params), self.nonce, k=self.k).tolist()
+        entry = InnerStepWork(counters=tuple(int(c) for c in counters), pages=tuple(int(p) for p in pages),
+                              samples=int(samples), loss=float(loss),
+                              sketch=tuple(a - b for a, b in zip(self._last, now)), grad_sketch=tuple(grad_sketch))
+        self._steps.append(entry)
+        self._last = now
+        return entry
+
+    def report(self) -> TrajectoryReport:
+        # Snapshots past the last step serve no replay (and the wire rule does not expect them).
+        snaps = tuple(s for s in self._snapshots if s.step < len(self._steps))
+        return TrajectoryReport(epoch=self.epoch, every=self.every, start=self._start, steps=tuple(self._steps),
+                                snapshots=snaps)
