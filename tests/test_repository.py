@@ -60,3 +60,23 @@ def test_core_never_imports_the_cli_or_rich():
                 if top in ui_only or name.startswith(("dtrain.cli", "dtrain.ui")):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
     assert not offenders, offenders
+
+
+def test_operators_link_table_is_current_and_counts_gpt2_parameters_exactly():
+    """docs/operators.md's link table is generated; its parameter formula matches real models."""
+    import subprocess
+    import sys
+
+    from dtrain.training.models import count_parameters, create_model
+
+    result = subprocess.run([sys.executable, "scripts/gen_link_table.py", "--check"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from gen_link_table import gpt2_params
+    finally:
+        sys.path.pop(0)
+    model = create_model("tiny", vocab_size=300, n_positions=64, seed=0)
+    cfg = model.config
+    assert gpt2_params(cfg.n_layer, cfg.n_embd, cfg.n_positions, vocab=300) == count_parameters(model)

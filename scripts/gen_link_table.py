@@ -1,0 +1,115 @@
+"""Regenerate the "What link do I need?" table of docs/operators.md.
+
+    python scripts/gen_link_table.py          # rewrite the table
+    python scripts/gen_link_table.py --check  # exit 1 if it is stale
+
+Bytes per round follow from the model's size: a butterfly all-reduce of a D-byte vector
+sends and receives 2·D·(n−1)/n bytes per peer. Round times divide that by the link rate
+and by the efficiency measured with benchmarks/allreduce_netns.py (MEASURED_EFFICIENCY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dtrain.training.models import PRESETS  # noqa: E402
+
+DOC = ROOT / "docs" / "operators.md"
+BEGIN, END = "<!-- link-table -->", "<!-- /link-table -->"
+MODELS = ("gpt2-124m", "gpt2-250m", "gpt2-1b")
+VOCAB = 50257  # the GPT-2 tokenizer (distilgpt2) the live subnet trains with
+GROUP = 16  # peers in a round: (n-1)/n is within 7 % of 1 from here up
+DEFAULT_H = 500  # allreduce.diloco_inner_steps
+# Wire bytes per value: fp32 4; dtrain's blockwise 8-bit 1, plus one float32 scale per 64
+# values (dtrain/swarm/compat.py, BlockwiseAbsmax8Bit: 0.266 of fp32).
+WIRE_BYTES = {"fp32": 4.0, "8-bit": 1.0 + 4 / 64}
+PART_SIZE_BYTES = 2**17  # AveragingConfig.part_size_bytes: wire bytes per part
+CLAIM_BYTES = 64 * 4  # a work commitment's claim per part: WORK_SKETCH_K float32 values
+# Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
+# commitments): the lower of benchmarks/allreduce_netns.py's two link-bound settings,
+# "dtrain-prod", 4 peers on 100 Mbit and 8 peers on 25 Mbit (docs/swarm.md, "Measured").
+MEASURED_EFFICIENCY = 0.68
+
+
+def gpt2_params(n_layer: int, n_embd: int, n_positions: int, vocab: int = VOCAB) -> int:
+    """Trainable parameters of a GPT-2 with tied input/output embeddings."""
+    per_layer = 12 * n_embd * n_embd + 13 * n_embd  # attention (4 d²+4 d), MLP (8 d²+5 d), 2 LayerNorms (4 d)
+    return vocab * n_embd + n_positions * n_embd + n_layer * per_layer + 2 * n_embd
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n / 1e3:.3g} kB"
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    if seconds >= 1:
+        return f"{seconds:.1f} s"
+    return f"{seconds * 1000:.0f} ms"
+
+
+def round_bytes(params: int, wire: str, n: int = GROUP) -> float:
+    """Bytes one peer sends (and, as many, receives) in one round."""
+    return 2 * params * WIRE_BYTES[wire] * (n - 1) / n
+
+
+def commitment_bytes(params: int, wire: str, n: int = GROUP) -> float:
+    """Bytes of work commitments the group's leader uploads before the round: every follower's
+    BEGIN message carries every member's claims (one per part of its vector)."""
+    parts = params * WIRE_BYTES[wire] / PART_SIZE_BYTES
+    return (n - 1) * n * parts * CLAIM_BYTES
+
+
+def round_seconds(params: int, wire: str, mbit: float, efficiency: float = MEASURED_EFFICIENCY) -> float:
+    return round_bytes(params, wire) * 8 / (mbit * 1e6) / efficiency
+
+
+def table() -> str:
+    head = ("| model | parameters | wire | bytes per round, each way | round time, 100 Mbit/s | 1 Gbit/s "
+            "| DiLoCo, H = 500: bytes per inner step | leader's commitment upload per round |")
+    lines = [head, "|" + "---|" * 8]
+    for name in MODELS:
+        p = PRESETS[name]
+        params = gpt2_params(p.n_layer, p.n_embd, p.n_positions)
+        for wire in WIRE_BYTES:
+            slow, fast = round_seconds(params, wire, 100), round_seconds(params, wire, 1000)
+            lines.append(f"| {name} | {params / 1e6:.0f} M | {wire} | {_size(round_bytes(params, wire))} "
+                         f"| {_time(slow)} | {_time(fast)} | {_size(round_bytes(params, wire) / DEFAULT_H)} "
+                         f"| {_size(commitment_bytes(params, wire))} |")
+    return "\n".join(lines)
+
+
+def render(text: str) -> str:
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + table() + "\n" + text[end:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    text = DOC.read_text()
+    new = render(text)
+    if args.check:
+        if new != text:
+            print("docs/operators.md link table is stale (run: python scripts/gen_link_table.py)", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(new)
+    print("wrote docs/operators.md link table")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
