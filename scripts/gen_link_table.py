@@ -33,7 +33,7 @@ CLAIM_BYTES = 64 * 4  # a work commitment's claim per part: WORK_SKETCH_K float3
 # Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
 # commitments): the lower of benchmarks/allreduce_netns.py's two link-bound settings,
 # "dtrain-prod", 4 peers on 100 Mbit and 8 peers on 25 Mbit (docs/swarm.md, "Measured").
-MEASURED_EFFICIENCY = 0.68
+MEASURED_EFFICIENCY = 0.67
 
 
 def gpt2_params(n_layer: int, n_embd: int, n_positions: int, vocab: int = VOCAB) -> int:

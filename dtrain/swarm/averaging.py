@@ -87,6 +87,10 @@ def _undeclare_in_background(key_manager) -> None:
     key_manager._dtrain_prompt = True
 
 
+# How long a reducer keeps a sender's stream open after its last averaged part, waiting for
+# the sender to hang up (it does so at once; this only bounds a sender that does not).
+REPLY_LINGER_S = 30.0
+
 # How long a leader holds its parts back for its followers' BEGIN messages to leave (a dead
 # follower's write fails at once; this only bounds a stuck one).
 BEGIN_FLUSH_LIMIT_S = 5.0
@@ -437,7 +441,8 @@ class _DtrainRunner(AllReduceRunner):
             yield msg
 
     def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self)
+        expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
+        return _CountingStub(super()._get_peer_stub(peer), self, expected)
 
     # -- server side ---------------------------------------------------------------------
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
@@ -524,22 +529,37 @@ class _DtrainRunner(AllReduceRunner):
         async for reply in super().rpc_aggregate_part(counted(), context):
             self.bytes_sent += reply.ByteSize()
             yield reply
+        # Do not end the stream: the sender hangs up once it holds its last averaged part
+        # (_CountingStub), which cancels this wait. Returning here would close our side while
+        # p2pd may still hold that last part, and the sender, now and then, lost it ("sent 31
+        # parts, but we expected 32") and kept its local values for this whole share.
+        await asyncio.sleep(REPLY_LINGER_S)
 
 
 class _CountingStub:
-    """Wraps a hivemind stub to count the bytes of averaged parts we receive back."""
+    """Wraps a hivemind stub: counts the bytes of the averaged parts we receive back, and hangs
+    up as soon as the last expected part is in (the reducer waits for that, see
+    _DtrainRunner.rpc_aggregate_part)."""
 
-    def __init__(self, stub, runner: _DtrainRunner):
-        self._stub, self._runner = stub, runner
+    def __init__(self, stub, runner: _DtrainRunner, expected_parts: int):
+        self._stub, self._runner, self._expected = stub, runner, expected_parts
 
     async def rpc_aggregate_part(self, inputs):
         stream = await self._stub.rpc_aggregate_part(inputs)
-        runner = self._runner
+        runner, expected = self._runner, self._expected
 
         async def counted():
-            async for msg in stream:
-                runner.bytes_received += msg.ByteSize()
-                yield msg
+            received = 0
+            try:
+                async for msg in stream:
+                    runner.bytes_received += msg.ByteSize()
+                    yield msg
+                    if msg.code == averaging_pb2.AVERAGED_PART:
+                        received += 1
+                        if received >= expected:
+                            break
+            finally:
+                await stream.aclose()  # closes our end of the p2p stream
 
         return counted()
 
