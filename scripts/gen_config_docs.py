@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dtrain.config import BT_ENV, SECTIONS, Config, env_name, section_fields  # noqa: E402
+from scripts.docgen import check_flag, write_or_check  # noqa: E402
 
 HEADER = """# Configuration reference
 
@@ -94,19 +94,8 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true")
-    args = parser.parse_args()
-    path = ROOT / "docs" / "configuration.md"
-    text = render()
-    if args.check:
-        if not path.exists() or path.read_text() != text:
-            print("docs/configuration.md is stale (run: python scripts/gen_config_docs.py)")
-            return 1
-        return 0
-    path.write_text(text)
-    print(f"wrote {path.relative_to(ROOT)}")
-    return 0
+    check = check_flag()
+    return write_or_check(ROOT / "docs" / "configuration.md", render(), check=check, what="is")
 
 
 if __name__ == "__main__":

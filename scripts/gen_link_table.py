@@ -10,7 +10,6 @@ and by the efficiency measured with benchmarks/allreduce_netns.py (MEASURED_EFFI
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dtrain.training.models import PRESETS  # noqa: E402
+from scripts.docgen import check_flag, write_or_check  # noqa: E402
 
 DOC = ROOT / "docs" / "operators.md"
 BEGIN, END = "<!-- link-table -->", "<!-- /link-table -->"
@@ -96,19 +96,8 @@ def render(text: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args()
-    text = DOC.read_text()
-    new = render(text)
-    if args.check:
-        if new != text:
-            print("docs/operators.md link table is stale (run: python scripts/gen_link_table.py)", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(new)
-    print("wrote docs/operators.md link table")
-    return 0
+    check = check_flag(__doc__.splitlines()[0])
+    return write_or_check(DOC, render(DOC.read_text()), check=check, what="link table is")
 
 
 if __name__ == "__main__":

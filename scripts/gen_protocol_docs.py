@@ -9,7 +9,6 @@ around it is hand-written and left alone.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dtrain.api.messages import message_types  # noqa: E402
+from scripts.docgen import check_flag, write_or_check  # noqa: E402
 
 DOC = ROOT / "docs" / "protocol.md"
 BLOCK = re.compile(r"(<!-- fields:(\w+) -->\n)(.*?)(<!-- /fields -->)", re.S)
@@ -50,19 +50,10 @@ def documented(text: str) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true")
-    args = parser.parse_args()
-    text = DOC.read_text()
-    fresh = render(text)
-    if args.check:
-        if fresh != text:
-            print("docs/protocol.md field tables are stale (run: python scripts/gen_protocol_docs.py)")
-            return 1
-        return 0
-    DOC.write_text(fresh)
-    print(f"wrote {DOC.relative_to(ROOT)} ({len(documented(fresh))} tables)")
-    return 0
+    check = check_flag()
+    fresh = render(DOC.read_text())
+    return write_or_check(DOC, fresh, check=check, what="field tables are",
+                          note=f" ({len(documented(fresh))} tables)")
 
 
 if __name__ == "__main__":
