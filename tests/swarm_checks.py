@@ -29,6 +29,18 @@ from dtrain.swarm.records import Outcome, RoundRecord
 LOOPBACK_MATCHMAKING = dict(min_matchmaking_time_s=3.0, request_timeout_s=1.5)
 
 
+def loopback_config(prefix: str, group: int, **overrides):
+    """An AveragingConfig for a group of ``group`` real peers on loopback, with small parts and
+    timeouts generous enough for a loaded 2-core CI machine; ``overrides`` win."""
+    from dtrain.swarm.averaging import AveragingConfig
+
+    base = dict(prefix=prefix, min_group_size=group, target_group_size=group, **LOOPBACK_MATCHMAKING,
+                matchmaking_timeout_s=60, allreduce_timeout_s=120, sender_timeout_s=30, part_size_bytes=4096,
+                allow_state_sharing=False)
+    base.update(overrides)
+    return AveragingConfig(**base)
+
+
 def check_round_contract(originals: Sequence[torch.Tensor], results: Sequence[torch.Tensor],
                          records: Sequence[RoundRecord]) -> torch.Tensor:
     """Assert the contract above; return a mask of the elements all peers averaged."""

@@ -16,7 +16,7 @@ import torch
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
 from dtrain.swarm.records import Outcome
 from dtrain.swarm.testing import PeerProcess, local_nodes, run_concurrently
-from tests.swarm_checks import LOOPBACK_MATCHMAKING, check_round_contract
+from tests.swarm_checks import LOOPBACK_MATCHMAKING, check_round_contract, loopback_config
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,7 @@ def nodes():
 
 
 def _cfg(**kw) -> AveragingConfig:
-    base = dict(prefix=f"asm{next(_prefix)}", min_group_size=2, target_group_size=64, **LOOPBACK_MATCHMAKING,
-                matchmaking_timeout_s=60, allreduce_timeout_s=120, sender_timeout_s=30, part_size_bytes=4096,
-                allow_state_sharing=False)
-    base.update(kw)
-    return AveragingConfig(**base)
+    return loopback_config(f"asm{next(_prefix)}", 2, **{"target_group_size": 64, **kw})
 
 
 def _long_window() -> AveragingConfig:

@@ -18,7 +18,7 @@ from dtrain.swarm.records import Outcome
 from dtrain.swarm.testing import local_nodes, run_concurrently
 from dtrain.training.fingerprint import gradient_sketch
 from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkReport, work_nonce
-from tests.swarm_checks import LOOPBACK_MATCHMAKING
+from tests.swarm_checks import loopback_config
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,7 @@ def nodes():
 
 
 def _cfg(group: int, **kw) -> AveragingConfig:
-    base = dict(prefix=f"c{next(_prefix)}", min_group_size=group, target_group_size=group, **LOOPBACK_MATCHMAKING,
-                matchmaking_timeout_s=60, allreduce_timeout_s=120, sender_timeout_s=30, part_size_bytes=4096,
-                allow_state_sharing=False, require_commitments=True)
-    base.update(kw)
-    return AveragingConfig(**base)
+    return loopback_config(f"c{next(_prefix)}", group, **{"require_commitments": True, **kw})
 
 
 def honest_report(tensors, samples: int, pages: int = 2) -> WorkReport:

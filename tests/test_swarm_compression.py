@@ -326,13 +326,9 @@ def nodes():
 
 
 def _cfg(group: int, **kw) -> AveragingConfig:
-    from tests.swarm_checks import LOOPBACK_MATCHMAKING
+    from tests.swarm_checks import loopback_config
 
-    base = dict(prefix=f"z{next(_prefix)}", min_group_size=group, target_group_size=group, **LOOPBACK_MATCHMAKING,
-                matchmaking_timeout_s=60, allreduce_timeout_s=120, sender_timeout_s=30, part_size_bytes=4096,
-                allow_state_sharing=False, require_commitments=True, compression="8bit")
-    base.update(kw)
-    return AveragingConfig(**base)
+    return loopback_config(f"z{next(_prefix)}", group, **{"require_commitments": True, "compression": "8bit", **kw})
 
 
 def _same_norm(tensors, norm: float = 10.0) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from dtrain.swarm.contribution import PartLayout, as_received
 from dtrain.swarm.records import Outcome
 from dtrain.swarm.robust import centered_clip
 from dtrain.swarm.testing import local_nodes, run_concurrently
-from tests.swarm_checks import LOOPBACK_MATCHMAKING, check_round_contract
+from tests.swarm_checks import check_round_contract, loopback_config
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +37,8 @@ def nodes():
 
 
 def _cfg(**kw) -> AveragingConfig:
-    base = dict(prefix=f"dp{next(_prefix)}", min_group_size=4, target_group_size=4, **LOOPBACK_MATCHMAKING,
-                matchmaking_timeout_s=60, allreduce_timeout_s=120, sender_timeout_s=30, part_size_bytes=PART_BYTES,
-                allow_state_sharing=False, aggregation="centered_clip")
-    base.update(kw)
-    return AveragingConfig(**base)
+    return loopback_config(f"dp{next(_prefix)}", 4, **{"part_size_bytes": PART_BYTES, "aggregation": "centered_clip",
+                                                       **kw})
 
 
 def _round(nodes, data, cfg, faults=None):
