@@ -257,3 +257,44 @@ def test_a_replayed_stretch_ends_on_the_next_snapshots_committed_moments(model):
     inflated = [t * 10 for t in m2]  # the moments a miner would make up to steer its updates
     assert V.sketch_mismatch(commit.exp_avg, gradient_sketch(inflated, nonce, k=WORK_SKETCH_K).tolist(),
                              V.MOMENTS_RTOL)
+
+
+def test_a_report_of_the_other_averaging_mode_is_refused_in_the_gather(model):
+    """One mode per swarm: a per-step validator must never be handed a trajectory to audit as
+    pages, nor a DiLoCo one a page list."""
+    import numpy as np
+
+    from dtrain.swarm.contribution import Commitment
+
+    trajectory, _ = _train(_trainer(model), steps=2)
+    claims = np.zeros((3, WORK_SKETCH_K), dtype="<f4")
+    diloco = Commitment(nonce="n", report=trajectory, claims=claims).to_gather()
+    per_step = Commitment(nonce="n", report=WorkReport(epoch=EPOCH), claims=claims).to_gather()
+    assert Commitment.parse(diloco, 3, kind=TrajectoryReport).report == trajectory
+    assert Commitment.parse(per_step, 3, kind=WorkReport).report == WorkReport(epoch=EPOCH)
+    with pytest.raises(WorkReportError, match="DiLoCo work report in a swarm of the other averaging mode"):
+        Commitment.parse(diloco, 3, kind=WorkReport)
+    with pytest.raises(WorkReportError, match="per-step work report in a swarm of the other averaging mode"):
+        Commitment.parse(per_step, 3, kind=TrajectoryReport)
+
+
+def test_a_trajectory_may_not_name_more_pages_in_all_than_a_report_may(model):
+    from dtrain.training.trajectory import MAX_STEP_PAGES
+    from dtrain.training.work import MAX_REPORT_PAGES
+
+    report, _ = _train(_trainer(model), steps=1)
+    wire = report.to_wire()
+    template = wire["s"][0]
+    steps = MAX_REPORT_PAGES // MAX_STEP_PAGES + 1  # each step within its own bound, the sum over
+
+    def step(i: int) -> list:
+        counters = list(range(i * MAX_STEP_PAGES, (i + 1) * MAX_STEP_PAGES))
+        return [counters, counters, 4, 1.0, template[4], template[5]]
+
+    wire["s"] = [step(i) for i in range(steps)]
+    wire["every"] = steps  # one snapshot, at step 0: only the page total is wrong
+    wire["snap"] = wire["snap"][:1]
+    with pytest.raises(WorkReportError, match=f"more than {MAX_REPORT_PAGES} pages"):
+        parse_report(wire)
+    wire["s"] = wire["s"][:-1]  # at the bound: accepted
+    assert len(parse_report(wire).pages) == MAX_REPORT_PAGES

@@ -43,6 +43,10 @@ log = logging.getLogger("dtrain.validator")
 EVAL_PAGES = 2
 # A DiLoCo snapshot is downloaded in pieces of this size (the miner's per-request limit is 64 MiB).
 SNAPSHOT_CHUNK = 16 << 20
+# The whole download must finish within SNAPSHOT_FIXED_S plus its size at SNAPSHOT_MIN_RATE
+# (4 MiB/s, 34 Mbit/s: about 6 min for gpt2-124m's 1.5 GB): audits run one miner after
+# another before the round's step, so a miner must not be able to stall them chunk by chunk.
+SNAPSHOT_FIXED_S, SNAPSHOT_MIN_RATE = 30.0, 4 << 20
 
 
 @dataclass
@@ -554,7 +558,6 @@ class Validator(NeuronBase):
         from dtrain.training.data import assign_pages
         from dtrain.training.fingerprint import gradient_sketch
         from dtrain.training.replica import sketch_distance, within_tolerance
-        from dtrain.training.trajectory import TrajectoryReport
         from dtrain.training.work import WORK_SKETCH_K, work_nonce
         from dtrain.validation.verification import check_page_ids, judge_trajectory, trajectory_shape_problem
 
@@ -564,15 +567,8 @@ class Validator(NeuronBase):
         anchor = gradient_sketch(list(self.trainer.params), nonce, k=WORK_SKETCH_K).tolist()
         for probe in probes:
             report = record.work_reports.get(probe.peer_id)
-            if report is None or probe.shared_peer_id:
-                continue
-            if not isinstance(report, TrajectoryReport):
-                from dtrain.validation.verification import WorkVerdict
-
-                probe.work = WorkVerdict(int(report.samples), problem="per-step work report in a DiLoCo swarm")
-                probe.note = probe.work.problem
-                continue
-            if not report.steps:
+            # the averager refused a report of the other mode's kind in the gather (Commitment.parse)
+            if report is None or probe.shared_peer_id or not report.steps:
                 continue
 
             def expected(counter: int, uid=probe.uid) -> int:
@@ -609,26 +605,31 @@ class Validator(NeuronBase):
         inner = self.bench.inner
         size = snapshots.snapshot_nbytes(inner.params)
         data = bytearray()
+        budget = SNAPSHOT_FIXED_S + size / SNAPSHOT_MIN_RATE
+        deadline = time.monotonic() + budget
         try:
             while len(data) < size:
                 # A miner that cannot serve what it committed is treated as having made it up:
                 # one that could choose when to fail would dodge exactly the audits it fears.
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"snapshot at inner step {first} not served within {budget:.0f} s", [], first
                 dl = self.client.state_slice(probe.api, probe.hotkey, len(data), min(SNAPSHOT_CHUNK, size - len(data)),
-                                             timeout=120, keep_data=True, snapshot=(self.epoch, first))
+                                             timeout=min(120.0, left), keep_data=True, snapshot=(self.epoch, first))
                 if not dl.data:
                     break
                 data += dl.data
-            params, exp_avg, exp_avg_sq = snapshots.decode(bytes(data), [p.shape for p in inner.params])
+            params, exp_avg, exp_avg_sq = snapshots.decode(data, [p.shape for p in inner.params])
         except (ApiError, snapshots.SnapshotError) as exc:
             return f"snapshot at inner step {first} not served ({exc})", [], first
         measured = gradient_sketch(params, nonce, k=WORK_SKETCH_K).tolist()
         if sketch_mismatch(report.params_sketch_after(first), measured, SNAPSHOT_RTOL):
             return f"snapshot at inner step {first} is not the committed parameters", [], first
-        if first > 0 and (
-                sketch_mismatch(commit.exp_avg, gradient_sketch(exp_avg, nonce, k=WORK_SKETCH_K).tolist(),
-                                SNAPSHOT_RTOL)
-                or sketch_mismatch(commit.exp_avg_sq, gradient_sketch(exp_avg_sq, nonce, k=WORK_SKETCH_K).tolist(),
-                                   SNAPSHOT_RTOL)):
+        def moments_differ(committed, exp_avg, exp_avg_sq, rtol: float) -> bool:
+            return any(sketch_mismatch(want, gradient_sketch(got, nonce, k=WORK_SKETCH_K).tolist(), rtol)
+                       for want, got in ((committed.exp_avg, exp_avg), (committed.exp_avg_sq, exp_avg_sq)))
+
+        if first > 0 and moments_differ(commit, exp_avg, exp_avg_sq, SNAPSHOT_RTOL):
             return f"snapshot at inner step {first} is not the committed optimizer state", [], first
         snapshots.load_inner_state(inner, params, exp_avg, exp_avg_sq, first)
         replayed = replay_steps(inner, report.steps[first:target], first_step=first, epoch=self.epoch,
@@ -648,10 +649,7 @@ class Validator(NeuronBase):
             # The stretch ends where the next snapshot was taken: its committed moments must be
             # the ones these steps produce, or that snapshot's optimizer state was made up.
             _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
-            if (sketch_mismatch(following.exp_avg, gradient_sketch(exp_avg, nonce, k=WORK_SKETCH_K).tolist(),
-                                MOMENTS_RTOL)
-                    or sketch_mismatch(following.exp_avg_sq,
-                                       gradient_sketch(exp_avg_sq, nonce, k=WORK_SKETCH_K).tolist(), MOMENTS_RTOL)):
+            if moments_differ(following, exp_avg, exp_avg_sq, MOMENTS_RTOL):
                 return (f"the optimizer state committed at inner step {target} is not what steps {first + 1}-{target} "
                         "produce"), audits, first
         return "", audits, first

@@ -126,7 +126,10 @@ class Commitment:
     claims: np.ndarray  # [num_parts, k] float32
 
     @classmethod
-    def parse(cls, data: object, num_parts: int, k: int = WORK_SKETCH_K) -> "Commitment":
+    def parse(cls, data: object, num_parts: int, k: int = WORK_SKETCH_K, kind: Optional[type] = None) -> "Commitment":
+        """Parse and bound a gather commitment. ``kind`` (WorkReport or TrajectoryReport): the
+        report kind of this swarm's mode; a report of the other kind is refused, so a per-step
+        validator never audits a trajectory, nor a DiLoCo one a page list."""
         if not isinstance(data, dict):
             raise WorkReportError("commitment must be a map")
         nonce, claims = data.get("nonce"), data.get("claims")
@@ -139,7 +142,11 @@ class Commitment:
             raise WorkReportError("claims hold non-finite values")
         from dtrain.training.trajectory import parse_report
 
-        return cls(nonce=nonce, report=parse_report(data.get("work"), k=k), claims=arr)
+        report = parse_report(data.get("work"), k=k)
+        if kind is not None and type(report) is not kind:
+            raise WorkReportError(f"{'DiLoCo' if type(report) is not WorkReport else 'per-step'} work report "
+                                  "in a swarm of the other averaging mode")
+        return cls(nonce=nonce, report=report, claims=arr)
 
     def to_gather(self) -> dict:
         return {"nonce": self.nonce, "work": self.report.to_wire(), "claims": self.claims.astype("<f4").tobytes()}

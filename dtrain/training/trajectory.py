@@ -85,8 +85,6 @@ class TrajectoryReport:
     steps: tuple[InnerStepWork, ...] = field(default_factory=tuple)
     snapshots: tuple[SnapshotCommit, ...] = field(default_factory=tuple)
 
-    mode = TRAJECTORY_MODE
-
     @property
     def samples(self) -> int:
         return sum(s.samples for s in self.steps)
@@ -103,8 +101,6 @@ class TrajectoryReport:
             for i, v in enumerate(s.sketch):
                 total[i] += v
         return total
-
-    mean_sketch = contribution_sketch  # the name the per-step report's binding rule reads
 
     def params_sketch_after(self, step: int) -> list[float]:
         """``c_step``: the sketch of the parameters after ``step`` inner steps."""
@@ -135,7 +131,7 @@ class TrajectoryReport:
         if len(steps_in) > MAX_REPORT_PAGES:
             raise WorkReportError(f"trajectory names {len(steps_in)} steps, more than {MAX_REPORT_PAGES}")
         start = _unpack(data.get("c0"), k, "start sketch")
-        steps, last_counter = [], -1
+        steps, last_counter, total_pages = [], -1, 0
         for entry in steps_in:
             if not (isinstance(entry, list) and len(entry) == 6):
                 raise WorkReportError("each step must be [counters, pages, samples, loss, update sketch, gradient sketch]")
@@ -143,6 +139,9 @@ class TrajectoryReport:
             if not (isinstance(counters, list) and isinstance(pages, list) and 1 <= len(counters) == len(pages)
                     <= MAX_STEP_PAGES):
                 raise WorkReportError("a step needs matching, non-empty counter and page lists")
+            total_pages += len(pages)
+            if total_pages > MAX_REPORT_PAGES:  # the same bound a per-step report has on its pages
+                raise WorkReportError(f"trajectory names more than {MAX_REPORT_PAGES} pages")
             if not all(_int(x) and x >= 0 for x in (*counters, *pages)):
                 raise WorkReportError("page counters and ids must be non-negative integers")
             for c in counters:
@@ -201,7 +200,7 @@ class TrajectoryLog:
         self.run_id, self.every, self.k = run_id, int(every), k
         self.epoch = 0
         self._start: tuple[float, ...] = (0.0,) * k
-        self._last: list[float] = [0.0] * k
+        self._last: tuple[float, ...] = (0.0,) * k
         self._steps: list[InnerStepWork] = []
         self._snapshots: list[SnapshotCommit] = []
 
@@ -218,11 +217,9 @@ class TrajectoryLog:
         return sum(s.samples for s in self._steps)
 
     def start(self, epoch: int, params: Sequence) -> None:
-        from dtrain.training.fingerprint import gradient_sketch
-
         self.epoch = int(epoch)
-        self._last = gradient_sketch(list(params), self.nonce, k=self.k).tolist()
-        self._start = tuple(self._last)
+        self._start = self.gradient_sketch(params)
+        self._last = self._start
         self._steps, self._snapshots = [], []
 
     def snapshot_due(self) -> bool:
@@ -233,26 +230,22 @@ class TrajectoryLog:
         return next((s for s in self._snapshots if s.step == step), None)
 
     def record_snapshot(self, exp_avg: Sequence, exp_avg_sq: Sequence) -> SnapshotCommit:
-        from dtrain.training.fingerprint import gradient_sketch
-
-        entry = SnapshotCommit(step=self.steps_done,
-                               exp_avg=tuple(gradient_sketch(list(exp_avg), self.nonce, k=self.k).tolist()),
-                               exp_avg_sq=tuple(gradient_sketch(list(exp_avg_sq), self.nonce, k=self.k).tolist()))
+        entry = SnapshotCommit(step=self.steps_done, exp_avg=self.gradient_sketch(exp_avg),
+                               exp_avg_sq=self.gradient_sketch(exp_avg_sq))
         self._snapshots.append(entry)
         return entry
 
-    def gradient_sketch(self, gradients: Sequence) -> tuple[float, ...]:
-        """The sketch of a step's accumulated (sample-summed) gradient: take it before the step."""
+    def gradient_sketch(self, tensors: Sequence) -> tuple[float, ...]:
+        """The epoch's sketch of ``tensors``: a step's accumulated (sample-summed) gradient (take
+        it before the step), the parameters, or a snapshot's moments."""
         from dtrain.training.fingerprint import gradient_sketch
 
-        return tuple(gradient_sketch(list(gradients), self.nonce, k=self.k).tolist())
+        return tuple(gradient_sketch(list(tensors), self.nonce, k=self.k).tolist())
 
     def record_step(self, *, counters: Sequence[int], pages: Sequence[int], samples: int, loss: float,
                     params: Sequence, grad_sketch: Sequence[float]) -> InnerStepWork:
         """Record a step just taken: ``params`` after it, ``grad_sketch`` from before it."""
-        from dtrain.training.fingerprint import gradient_sketch
-
-        now = gradient_sketch(list(params), self.nonce, k=self.k).tolist()
+        now = self.gradient_sketch(params)
         entry = InnerStepWork(counters=tuple(int(c) for c in counters), pages=tuple(int(p) for p in pages),
                               samples=int(samples), loss=float(loss),
                               sketch=tuple(a - b for a, b in zip(self._last, now)), grad_sketch=tuple(grad_sketch))
