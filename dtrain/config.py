@@ -179,8 +179,9 @@ class AllReduceConfig:
     request_timeout: float = _f(5.0, "Seconds to wait for a matchmaking reply.", min=0.1)
     allreduce_timeout: float = _f(120.0, "Seconds before a slow peer is banned from the round.", min=0.1)
     compression: str = _f("none", "Wire compression: none, fp16, or 8bit (dtrain's blockwise codec: 0.27 of fp32, "
-                          "relative error at most 0.031 for any gradient; docs/swarm.md, \"Wire compression\").",
-                          choices=("none", "fp16", "8bit"))
+                          "relative error at most 0.031 for any gradient; docs/swarm.md, \"Wire compression\"). "
+                          "Swarm-wide: each peer checks the others' parts with its own codec's tolerance.",
+                          choices=("none", "fp16", "8bit"), swarm=True)
     aggregation: str = _f("centered_clip", "How a reducer combines the senders' parts: centered_clip (bounds an "
                           "undetected bad contribution; docs/swarm.md) or mean.",
                           choices=("centered_clip", "mean"), swarm=True)

@@ -280,11 +280,6 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench
                      run_id=cfg.model.run_id, param_count=count_parameters(trainer.model))
 
 
-# Bumped whenever a compression setting's wire format changes (dtrain.swarm.compat.wire_format):
-# "8bit" became dtrain's blockwise codec (it was hivemind's uniform one).
-WIRE_CODECS_VERSION = "dtrain-codecs/2"
-
-
 def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: str = "") -> str:
     """What peers of one swarm must share, as one hash: the model fingerprint, every setting
     marked swarm-wide in the config schema, and the protocol constants that decide pages and
@@ -301,6 +296,7 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
     import json
 
     from dtrain.config import swarm_settings
+    from dtrain.swarm.compat import wire_format
     from dtrain.training.data import ASSIGNMENT_VERSION, MAX_UIDS
     from dtrain.training.fingerprint import FINGERPRINT_VERSION
 
@@ -316,9 +312,9 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
         settings["data.files"] = _local_data_identity(cfg)
     doc = {"format": "dtrain-swarm/1", "model": model_fingerprint, "settings": settings, "max_uids": MAX_UIDS,
            "pages": ASSIGNMENT_VERSION, "sketch": FINGERPRINT_VERSION,
-           # What each allreduce.compression name puts on the wire: releases that read "8bit" as
-           # another codec cannot decode each other's parts, so they must not share a group.
-           "codecs": WIRE_CODECS_VERSION}
+           # What allreduce.compression puts on the wire: releases that read "8bit" as another
+           # codec (it was hivemind's uniform one) cannot decode each other's parts.
+           "codec": wire_format(cfg.allreduce.compression)}
     if tokenizer_digest:
         doc["tokenizer"] = tokenizer_digest
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

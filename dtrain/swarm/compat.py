@@ -68,8 +68,11 @@ def _make_fixed_quantizer(base: type) -> type:
 BLOCK = 64
 # Largest code: symmetric int8 levels -127..127 (-128 unused, so 0 and +-absmax are exact).
 _LEVELS = 127
-# ||decode(encode(x)) - x|| <= BLOCKWISE_ERROR_BOUND * ||x|| for every finite x (derivation in
-# BlockwiseAbsmax8Bit); the 8-bit tolerances of dtrain.swarm.contribution start from it.
+# ||decode(encode(x)) - x|| <= BLOCKWISE_ERROR_BOUND * ||x|| for every finite x whose blocks'
+# absmax values are normal float32 numbers, above about 1.5e-36 (derivation in
+# BlockwiseAbsmax8Bit; below that the float32 scale absmax / 127 loses precision, and a block
+# under about 1.8e-43 decodes to zeros). The 8-bit tolerances of dtrain.swarm.contribution
+# start from it.
 BLOCKWISE_ERROR_BOUND = math.sqrt(BLOCK - 1) / (2 * _LEVELS)
 
 
