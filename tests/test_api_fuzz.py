@@ -43,7 +43,7 @@ def env(tmp_path_factory):
             uid=0, epoch=request.epoch, samples_total=0, params_digest="00", microbatches=()),
         allreduce=lambda request, caller: calls.append(("allreduce", request)) or AllReduceResponse(
             joined=False, epoch=request.epoch, round=None),
-        state_slice=lambda offset, length: calls.append(("slice", offset)) or b"\0" * min(length, 16),
+        state_slice=lambda offset, length, snapshot: calls.append(("slice", offset)) or b"\0" * min(length, 16),
     )
     validator = wallets["validator"].hotkey.ss58_address
     server = MinerApiServer(handlers, self_hotkey=wallets["miner"].hotkey.ss58_address,

@@ -73,7 +73,7 @@ class Handlers:
     status: Callable[[], StatusResponse]
     train: Callable[[TrainRequest, str], TrainResponse]
     allreduce: Callable[[AllReduceRequest, str], AllReduceResponse]
-    state_slice: Callable[..., bytes]  # (offset, length[, (epoch, snapshot step)]) -> bytes
+    state_slice: Callable[..., bytes]  # (offset, length, (epoch, snapshot step) or None for the live parameters)
 
 
 class _Reject(Exception):
@@ -301,10 +301,8 @@ class MinerApiServer:
             wanted = self._checked(lambda: StateSliceRequest.parse(payload))
         else:
             wanted = self._checked(lambda: StateSliceRequest.from_query(request.query))
-        # Only a snapshot request passes its (epoch, step): handlers of the live slice take two arguments.
-        snapshot = wanted.snapshot_key()
-        extra = (snapshot,) if snapshot is not None else ()
-        data = await self._run(self._heavy, self.handlers.state_slice, wanted.offset, wanted.length, *extra)
+        data = await self._run(self._heavy, self.handlers.state_slice, wanted.offset, wanted.length,
+                               wanted.snapshot_key())
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError("state_slice handler must return bytes")
         data = bytes(data)[:wanted.length]

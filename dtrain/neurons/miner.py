@@ -225,6 +225,10 @@ class Miner(NeuronBase):
             if self._post_round:
                 # After the validator has its answer: disk work never delays a round's reply.
                 self._post_round = False
+                if self.inner is not None and self._pending_catch_up is None:
+                    # the outer step moved the anchor: the inner steps restart from it (a
+                    # snapshot: 12 bytes per parameter written; a catch-up below restarts anyway)
+                    self._start_outer_step()
                 if self.epoch % self.cfg.miner.checkpoint_every == 0:
                     self._checkpoint()
                 self._push()
@@ -500,8 +504,6 @@ class Miner(NeuronBase):
 
             self._card_round = round_facts(record, metrics, epoch=self.epoch, seq_len=self.cfg.model.seq_len)
             self.page_counter = 0  # page counters restart with each epoch's fresh permutation
-            if self.inner is not None:
-                self._start_outer_step()  # the outer step moved the anchor: the inner steps restart from it
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
                 self._pending_catch_up = CatchUpTarget()

@@ -14,22 +14,18 @@ import torch
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # DiLoCo's outer optimizer (SGD with Nesterov momentum) keeps one buffer; it travels in the
 # first moment's place, with zeros in the second, so the hand-over layout is the same.
-SGD_MOMENTS = ("momentum_buffer",)
-
-
-def _moment_keys(optimizer) -> tuple[str, ...]:
-    return SGD_MOMENTS if isinstance(optimizer, torch.optim.SGD) else MOMENTS
+SGD_MOMENTS = ("momentum_buffer", None)
 
 
 def export_state(trainer, epoch: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     opt_step = 0.0
-    keys = _moment_keys(trainer.optimizer)
+    keys = SGD_MOMENTS if isinstance(trainer.optimizer, torch.optim.SGD) else MOMENTS
     for p in trainer.params:
         tensors.append(p.detach().to("cpu", torch.float32))
         state = trainer.optimizer.state.get(p, {})
-        for i in range(len(MOMENTS)):
-            moment = state.get(keys[i]) if i < len(keys) else None
+        for key in keys:
+            moment = state.get(key) if key else None
             tensors.append(moment.detach().to("cpu", torch.float32) if moment is not None
                            else torch.zeros(p.shape, dtype=torch.float32))
         if "step" in state:
@@ -74,30 +70,6 @@ def state_slice(trainer, offset: int, length: int) -> bytes:
     return bytes(out)
 
 
-def _load_moments(optimizer, params, blocks, opt_step: float) -> None:
-    """Give the optimizer the peer's moments (or none, before its first step).
-
-    Goes through ``optimizer.load_state_dict`` rather than writing ``optimizer.state``
-    by hand: torch then places every state tensor where this optimizer expects it. Fused
-    and capturable AdamW (fused is used on CUDA) need ``step`` on the parameters' device,
-    the plain kernels keep it where torch's policy says, and moments follow the
-    parameters' device and dtype. A hand-built CPU ``step`` next to CUDA parameters is
-    what the fused kernel refuses.
-    """
-    index = {id(p): i for i, p in enumerate(q for group in optimizer.param_groups for q in group["params"])}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    sgd = isinstance(optimizer, torch.optim.SGD)
-    if blocks is not None:
-        for p, block in zip(params, blocks):
-            if sgd:
-                state[index[id(p)]] = {"momentum_buffer": block[1].to(torch.float32).clone()}
-                continue
-            state[index[id(p)]] = {"step": torch.tensor(opt_step, dtype=torch.float32),
-                                   **{key: t.to(torch.float32).clone() for key, t in zip(MOMENTS, block[1:])}}
-    current = optimizer.state_dict()
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-
-
 @torch.no_grad()
 def import_state(trainer, meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> int:
     """Adopt a peer's state; returns its epoch. Raises ValueError when it does not fit this model."""
@@ -113,14 +85,10 @@ def import_state(trainer, meta: dict[str, Any], tensors: Sequence[torch.Tensor])
         if not all(bool(torch.isfinite(t).all()) for t in block):
             raise ValueError("peer state holds non-finite values")
         blocks.append(block)
-    for p, block in zip(trainer.params, blocks):
-        p.copy_(block[0].to(p.device, p.dtype))
-    _load_moments(trainer.optimizer, trainer.params, blocks if opt_step > 0 else None, opt_step)
-    sched = trainer.scheduler
-    sched.last_epoch = int(meta.get("sched_epoch", 0))
+    trainer.copy_parameters_from([block[0] for block in blocks])
+    trainer.load_moments([block[1:] for block in blocks] if opt_step > 0 else None, opt_step)
     # LambdaLR sets lr only when stepped; put the group lrs where the peer's schedule is.
-    for group, base, fn in zip(trainer.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-        group["lr"] = base * fn(sched.last_epoch)
+    trainer.set_schedule_position(int(meta.get("sched_epoch", 0)))
     trainer.counters.inner_step = int(meta.get("inner_step", 0))
     epoch = int(meta.get("epoch", 0))
     trainer.counters.epoch = epoch

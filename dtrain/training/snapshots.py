@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Sequence
 
@@ -50,20 +49,26 @@ def encode(params: Sequence[torch.Tensor], exp_avg: Sequence[torch.Tensor], exp_
     return b"".join(parts)
 
 
-def decode(data: bytes, shapes: Sequence[torch.Size]):
-    """(params, exp_avg, exp_avg_sq) from snapshot bytes; SnapshotError when they do not fit."""
+def decode(data: bytes | bytearray, shapes: Sequence[torch.Size]):
+    """(params, exp_avg, exp_avg_sq) from snapshot bytes; SnapshotError when they do not fit.
+
+    The tensors are views of ``data`` when it is a writable buffer (a bytearray): a snapshot
+    is 12 bytes per parameter, and a copy per step of decoding adds up."""
     sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
     total = sum(sizes)
     if len(data) != SECTIONS * 4 * total:
         raise SnapshotError(f"snapshot has {len(data)} bytes, this model's is {SECTIONS * 4 * total}")
-    flat = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+    values = np.frombuffer(data, dtype="<f4")
+    if not values.flags.writeable or values.dtype != np.float32:
+        values = values.astype(np.float32)  # read-only bytes, or a big-endian host: one copy
+    flat = torch.from_numpy(values)
     if not bool(torch.isfinite(flat).all()):
         raise SnapshotError("snapshot holds non-finite values")
     sections, offset = [], 0
     for _ in range(SECTIONS):
         tensors = []
         for shape, n in zip(shapes, sizes):
-            tensors.append(flat[offset:offset + n].reshape(shape).clone())
+            tensors.append(flat[offset:offset + n].reshape(shape))  # views of one buffer
             offset += n
         sections.append(tensors)
     if any(bool((t < 0).any()) for t in sections[2]):
@@ -76,14 +81,8 @@ def load_inner_state(trainer, params, exp_avg, exp_avg_sq, step: int) -> None:
     """Make ``trainer`` (AdamW) continue from a snapshot taken after ``step`` inner steps."""
     trainer.copy_parameters_from(params)
     trainer.reset_optimizer_state()
-    if step <= 0:
-        return  # fresh moments: exactly the state a new outer step starts from
-    index = {id(p): i for i, p in enumerate(q for g in trainer.optimizer.param_groups for q in g["params"])}
-    state = {index[id(p)]: {"step": torch.tensor(float(step)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-             for p, m, v in zip(trainer.params, exp_avg, exp_avg_sq)}
-    current = trainer.optimizer.state_dict()
-    # load_state_dict puts every tensor where this optimizer keeps it (device, dtype).
-    trainer.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    if step > 0:  # at step 0: fresh moments, exactly the state a new outer step starts from
+        trainer.load_moments(list(zip(exp_avg, exp_avg_sq)), float(step))
 
 
 class SnapshotStore:
@@ -121,7 +120,3 @@ class SnapshotStore:
             match = _NAME.match(entry.name)
             if match and int(match.group(1)) <= current_epoch - self.keep_epochs:
                 entry.unlink(missing_ok=True)
-
-    def clear(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(parents=True, exist_ok=True)

@@ -282,6 +282,31 @@ class Trainer:
         for group, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * fn(sched.last_epoch)
 
+    def load_moments(self, moments: Sequence[Sequence[torch.Tensor]] | None, opt_step: float) -> None:
+        """Give the optimizer these moments, per parameter in order (None: fresh, no state).
+
+        AdamW takes ``(exp_avg, exp_avg_sq)`` per parameter; SGD (DiLoCo's outer optimizer)
+        takes its momentum buffer from the first. Goes through ``optimizer.load_state_dict``
+        rather than writing ``optimizer.state`` by hand: torch then places every state tensor
+        where this optimizer expects it. Fused and capturable AdamW (fused is used on CUDA)
+        need ``step`` on the parameters' device, the plain kernels keep it where torch's policy
+        says, and moments follow the parameters' device and dtype. A hand-built CPU ``step``
+        next to CUDA parameters is what the fused kernel refuses.
+        """
+        optimizer = self.optimizer
+        index = {id(p): i for i, p in enumerate(q for group in optimizer.param_groups for q in group["params"])}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        sgd = isinstance(optimizer, torch.optim.SGD)
+        for p, block in zip(self.params, moments or ()):
+            if sgd:
+                state[index[id(p)]] = {"momentum_buffer": block[0].to(torch.float32).clone()}
+            else:
+                state[index[id(p)]] = {"step": torch.tensor(float(opt_step), dtype=torch.float32),
+                                       "exp_avg": block[0].to(torch.float32).clone(),
+                                       "exp_avg_sq": block[1].to(torch.float32).clone()}
+        current = optimizer.state_dict()
+        optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
     @torch.no_grad()
     def copy_parameters_from(self, params: Sequence[torch.Tensor]) -> None:
         """Overwrite this replica's parameters (same order and shapes) with ``params``."""
