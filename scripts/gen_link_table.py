@@ -16,20 +16,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dtrain.training.models import PRESETS  # noqa: E402
+from dtrain.config import AllReduceConfig  # noqa: E402
+from dtrain.swarm.compat import BLOCK  # noqa: E402
+from dtrain.training.models import GPT2_VOCAB_SIZE, PRESETS  # noqa: E402
+from dtrain.training.work import WORK_SKETCH_K  # noqa: E402
 from scripts.docgen import check_flag, write_or_check  # noqa: E402
 
 DOC = ROOT / "docs" / "operators.md"
 BEGIN, END = "<!-- link-table -->", "<!-- /link-table -->"
 MODELS = ("gpt2-124m", "gpt2-250m", "gpt2-1b")
-VOCAB = 50257  # the GPT-2 tokenizer (distilgpt2) the live subnet trains with
+VOCAB = GPT2_VOCAB_SIZE  # the GPT-2 tokenizer (distilgpt2) the live subnet trains with
 GROUP = 16  # peers in a round: (n-1)/n is within 7 % of 1 from here up
-DEFAULT_H = 500  # allreduce.diloco_inner_steps
-# Wire bytes per value: fp32 4; dtrain's blockwise 8-bit 1, plus one float32 scale per 64
+DEFAULT_H = AllReduceConfig().diloco_inner_steps
+# Wire bytes per value: fp32 4; dtrain's blockwise 8-bit 1, plus one float32 scale per BLOCK
 # values (dtrain/swarm/compat.py, BlockwiseAbsmax8Bit: 0.266 of fp32).
-WIRE_BYTES = {"fp32": 4.0, "8-bit": 1.0 + 4 / 64}
-PART_SIZE_BYTES = 2**17  # AveragingConfig.part_size_bytes: wire bytes per part
-CLAIM_BYTES = 64 * 4  # a work commitment's claim per part: WORK_SKETCH_K float32 values
+WIRE_BYTES = {"fp32": 4.0, "8-bit": 1.0 + 4 / BLOCK}
+# AveragingConfig.part_size_bytes, wire bytes per part (not imported: dtrain.swarm.averaging loads hivemind)
+PART_SIZE_BYTES = 2**17
+CLAIM_BYTES = WORK_SKETCH_K * 4  # a work commitment's claim per part: WORK_SKETCH_K float32 values
 # Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
 # commitments): the lower of benchmarks/allreduce_netns.py's two link-bound settings,
 # "dtrain-prod", 4 peers on 100 Mbit and 8 peers on 25 Mbit (docs/swarm.md, "Measured").
@@ -77,7 +81,7 @@ def round_seconds(params: int, wire: str, mbit: float, efficiency: float = MEASU
 
 def table() -> str:
     head = ("| model | parameters | wire | bytes per round, each way | round time, 100 Mbit/s | 1 Gbit/s "
-            "| DiLoCo, H = 500: bytes per inner step | leader's commitment upload per round |")
+            f"| DiLoCo, H = {DEFAULT_H}: bytes per inner step | leader's commitment upload per round |")
     lines = [head, "|" + "---|" * 8]
     for name in MODELS:
         p = PRESETS[name]

@@ -30,8 +30,9 @@ LOOPBACK_MATCHMAKING = dict(min_matchmaking_time_s=3.0, request_timeout_s=1.5)
 
 
 def loopback_config(prefix: str, group: int, **overrides):
-    """An AveragingConfig for a group of ``group`` real peers on loopback, with small parts and
-    timeouts generous enough for a loaded 2-core CI machine; ``overrides`` win."""
+    """An AveragingConfig for a group of ``group`` real peers on loopback, with small parts
+    (several per peer even for small tensors) and timeouts generous enough for a loaded
+    2-core CI machine (a short sender timeout bans honest peers there); ``overrides`` win."""
     from dtrain.swarm.averaging import AveragingConfig
 
     base = dict(prefix=prefix, min_group_size=group, target_group_size=group, **LOOPBACK_MATCHMAKING,

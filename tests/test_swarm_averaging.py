@@ -12,7 +12,7 @@ import torch
 from dtrain.swarm.averaging import AveragingConfig, FaultInjection, GradientSwarm, Interrupted
 from dtrain.swarm.records import Outcome, read_records
 from dtrain.swarm.testing import local_nodes, run_concurrently
-from tests.swarm_checks import LOOPBACK_MATCHMAKING, check_round_contract
+from tests.swarm_checks import check_round_contract, loopback_config
 
 pytestmark = pytest.mark.slow
 
@@ -27,21 +27,7 @@ def nodes():
 
 def _cfg(group: int, **kw) -> AveragingConfig:
     # unique prefix per test: rounds of different tests never matchmake with each other
-    base = dict(
-        prefix=f"t{next(_prefix_counter)}",
-        min_group_size=group,
-        target_group_size=group,
-        **LOOPBACK_MATCHMAKING,
-        matchmaking_timeout_s=60,
-        allreduce_timeout_s=120,
-        # Slowness is not what these tests check (test_slow_sender sets its own): on a loaded
-        # 2-core machine a short sender timeout bans honest peers.
-        sender_timeout_s=30,
-        part_size_bytes=4096,  # several parts per peer even for small tensors
-        allow_state_sharing=False,
-    )
-    base.update(kw)
-    return AveragingConfig(**base)
+    return loopback_config(f"t{next(_prefix_counter)}", group, **kw)
 
 
 def _swarms(nodes, tensors, cfg, fingerprints=None, faults=None, **kw):

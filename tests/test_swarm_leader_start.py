@@ -79,19 +79,3 @@ def test_leaving_the_queue_returns_at_once_and_still_reaches_the_dht(dht):
     assert leave_s < STORE_DELAY_S
     assert finished == [(True, True), (False, True)]
     assert _looking(dht, key, dht.peer_id) is False
-
-
-def test_a_late_leave_cannot_undo_the_next_rounds_declaration(dht):
-    # The leave is stored with the old declaration's expiration; the next round declares with
-    # a later one, and the DHT keeps the later, even when the leave lands after it.
-    km = GroupKeyManager(dht, "leaderstart", initial_group_bits="", target_group_size=4)
-    key = km.current_key
-    now = get_dht_time()
-
-    async def scenario():
-        await km.declare_averager(key, dht.peer_id, now + 30)
-        await km.declare_averager(key, dht.peer_id, now + 60)  # the next round
-        await km.declare_averager(key, dht.peer_id, now + 30, looking_for_group=False)  # the late leave
-
-    asyncio.run(scenario())
-    assert _looking(dht, key, dht.peer_id) is True

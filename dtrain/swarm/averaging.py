@@ -662,7 +662,11 @@ class _DtrainAverager(DecentralizedAverager):
                 yield response  # resumed once hivemind has written it to p2pd (send_protobuf drains)
             finally:
                 if begin:
-                    self._begins_in_flight.get(response.group_id, set()).discard(context.remote_id)
+                    pending = self._begins_in_flight.get(response.group_id)
+                    if pending is not None:
+                        pending.discard(context.remote_id)
+                        if not pending:  # also when registered after the leader stopped waiting
+                            del self._begins_in_flight[response.group_id]
             if response.code == averaging_pb2.ACCEPTED:
                 await self._assemble_if_expected_joined()
 
@@ -855,6 +859,12 @@ class _DtrainAverager(DecentralizedAverager):
             return None, {}
         required = bool(mine.get("req"))
         layout = self._layout(kwargs)
+        try:  # every peer's report must be of the kind ours is: one averaging mode per swarm
+            from dtrain.training.trajectory import parse_report
+
+            kind = type(parse_report(own.get("work")))
+        except WorkReportError:
+            kind = None
         commitments, unbound = {}, {}
         for i, user in enumerate(users):
             if not compatible[i]:
@@ -864,7 +874,7 @@ class _DtrainAverager(DecentralizedAverager):
             reason = ""
             if data is not None:
                 try:
-                    parsed = Commitment.parse(data, len(layout))
+                    parsed = Commitment.parse(data, len(layout), kind=kind)
                     commitments[i] = parsed
                 except WorkReportError as exc:
                     reason = f"malformed work commitment: {exc}"
