@@ -321,6 +321,10 @@ _prefix = itertools.count()
 def nodes():
     from dtrain.swarm.testing import local_nodes
 
+    # The state in which a forked averager's codec threads used to race (tests/
+    # test_swarm_fork_threads.py): a thread count set in the parent, as a full test run does.
+    torch.set_num_threads(torch.get_num_threads())
+
     with local_nodes(4) as started:
         yield started
 
@@ -423,3 +427,7 @@ def test_lying_claims_and_an_inflated_weight_are_refused_over_an_eight_bit_wire(
         assert "contradicts its commitment" in next(p.reason for p in r.peers if p.peer_id == swarms[2].peer_id)
         assert "claims weight 16 but committed 8 samples" in next(
             p.reason for p in r.peers if p.peer_id == swarms[3].peer_id)
+    # the refused sender hears it from each reducer's end of the stream, not from its own
+    # reducer timeout (a reducer no longer lingers on a stream it has stopped serving)
+    told = [p.reason for p in recs[2].peers if p.outcome == Outcome.FAIL and p.peer_id != swarms[3].peer_id]
+    assert len(told) == 2 and not any("Timeout" in reason for reason in told), told

@@ -526,9 +526,13 @@ class _DtrainRunner(AllReduceRunner):
                 self.bytes_received += msg.ByteSize()
                 yield msg
 
+        delivered = 0
         async for reply in super().rpc_aggregate_part(counted(), context):
             self.bytes_sent += reply.ByteSize()
+            delivered += reply.code == averaging_pb2.AVERAGED_PART
             yield reply
+        if delivered < self.tensor_part_reducer.num_parts:
+            return  # refused or banned: it expects more and would otherwise wait its reducer timeout for our end
         # Do not end the stream: the sender hangs up once it holds its last averaged part
         # (_CountingStub), which cancels this wait. Returning here would close our side while
         # p2pd may still hold that last part, and the sender, now and then, lost it ("sent 31
@@ -562,6 +566,21 @@ class _CountingStub:
                 await stream.aclose()  # closes our end of the p2p stream
 
         return counted()
+
+
+def reset_torch_threads_after_fork() -> None:
+    """Rebuild torch's thread-pool state in a forked child while it has a single thread.
+
+    Once a process has called ``torch.set_num_threads`` (dtrain's tests do, an operator's
+    script may), every new thread's first parallel-capable op re-applies that setting, and in
+    a forked child that step rebuilds the pool torch marked as lost in the fork. Several
+    threads doing it at once race, and one of them fails with "Invalid thread pool!": in
+    the averager that was the 8-bit codec's first part, raised inside hivemind's writer task,
+    which ends silently, so the reducers heard nothing and banned an honest sender 30 s later.
+    Setting the same thread count once here, before the averager starts its threads, does the
+    rebuild single-threaded. It enters no parallel region, so it is safe on the forking thread.
+    """
+    torch.set_num_threads(torch.get_num_threads())
 
 
 class _WholeMessagePipe:
@@ -609,8 +628,9 @@ class _DtrainAverager(DecentralizedAverager):
             self.run_in_background(await_ready=True)
 
     def run(self):
-        # In the averager's process: see _WholeMessagePipe.
-        self._inner_pipe = _WholeMessagePipe(self._inner_pipe)
+        # In the averager's process, before it starts a thread of its own.
+        reset_torch_threads_after_fork()
+        self._inner_pipe = _WholeMessagePipe(self._inner_pipe)  # see _WholeMessagePipe
         super().run()
 
     async def _step(self, *, step, future_for_init):
