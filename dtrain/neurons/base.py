@@ -155,18 +155,26 @@ class NeuronBase:
         from dtrain.neurons.discovery import peer_maddrs
         from dtrain.swarm.averaging import GradientSwarm
         from dtrain.swarm.node import SwarmNode
+        from dtrain.swarm.startup import ProcessStartError
 
         peers = peer_maddrs(commitments.values())
-        self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
-        self._check_announced()
-        self.swarm = GradientSwarm(
-            # Matching on the swarm fingerprint (model + swarm-wide settings) makes a peer with
-            # other settings WRONG_MODEL instead of silently averaging out-of-step gradients.
-            self.node.dht, [p.detach() for p in self.trainer.params], self.bench.swarm_fingerprint,
-            runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
-            # Peers that fall behind download parameters, optimizer moments and counters from us.
-            state_provider=self._shared_state, mode=self.cfg.allreduce.mode,
-        )
+        try:
+            self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
+            self._check_announced()
+            self.swarm = GradientSwarm(
+                # Matching on the swarm fingerprint (model + swarm-wide settings) makes a peer with
+                # other settings WRONG_MODEL instead of silently averaging out-of-step gradients.
+                self.node.dht, [p.detach() for p in self.trainer.params], self.bench.swarm_fingerprint,
+                runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
+                # Peers that fall behind download parameters, optimizer moments and counters from us.
+                state_provider=self._shared_state, mode=self.cfg.allreduce.mode,
+            )
+        except BaseException as exc:
+            if getattr(self, "node", None) is not None:  # no swarm yet: teardown would leave p2pd running
+                self.node.shutdown()
+            if isinstance(exc, ProcessStartError):  # a clear stop (exit 1), not a traceback
+                raise runtime.NeuronError(f"swarm: {exc}") from None
+            raise
         self.swarm.set_state_priority(self.epoch)
         self.tel.update(peer_id=self.node.peer_id)
 

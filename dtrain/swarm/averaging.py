@@ -39,7 +39,8 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 
-from dtrain.swarm import compat
+from dtrain.swarm import compat, startup
+from dtrain.swarm.command_pipe import CommandPipe, log_dropped_request
 from dtrain.swarm.records import Outcome, PeerResult, RoundLog, RoundRecord
 
 compat.apply()
@@ -579,37 +580,13 @@ def reset_torch_threads_after_fork() -> None:
     which ends silently, so the reducers heard nothing and banned an honest sender 30 s later.
     Setting the same thread count once here, before the averager starts its threads, does the
     rebuild single-threaded. It enters no parallel region, so it is safe on the forking thread.
+    A failure here is only logged: the averager works without the reset, and an exception
+    would end its process before it says "ready".
     """
-    torch.set_num_threads(torch.get_num_threads())
-
-
-class _WholeMessagePipe:
-    """The averager's command pipe, read one whole message at a time.
-
-    hivemind polls the pipe from its event loop, which makes the descriptor non-blocking, then
-    calls ``recv()`` as soon as *some* bytes are readable. A command larger than what one
-    write delivers at once (a step whose gather carries a work commitment: tens of KB) then
-    fails half-read with EAGAIN, the stream loses its framing, and the averager's loop dies on
-    the next message. Reading in blocking mode once data is there always gets the whole
-    message: the sender writes it in one go.
-    """
-
-    def __init__(self, conn):
-        self._conn = conn
-
-    def recv(self):
-        import os
-
-        fd = self._conn.fileno()
-        was_blocking = os.get_blocking(fd)
-        os.set_blocking(fd, True)
-        try:
-            return self._conn.recv()
-        finally:
-            os.set_blocking(fd, was_blocking)
-
-    def __getattr__(self, name):
-        return getattr(self._conn, name)
+    try:
+        torch.set_num_threads(torch.get_num_threads())
+    except RuntimeError as exc:
+        logger.warning("swarm: could not reset torch's thread pool in the averager process: %s", exc)
 
 
 class _DtrainAverager(DecentralizedAverager):
@@ -629,9 +606,13 @@ class _DtrainAverager(DecentralizedAverager):
 
     def run(self):
         # In the averager's process, before it starts a thread of its own.
+        startup.enable_stack_dumps()
         reset_torch_threads_after_fork()
-        self._inner_pipe = _WholeMessagePipe(self._inner_pipe)  # see _WholeMessagePipe
+        self._inner_pipe = CommandPipe(self._inner_pipe)  # see dtrain/swarm/command_pipe.py
         super().run()
+
+    async def _dtrain_dropped_request(self, reason: str) -> None:  # see CommandPipe
+        await log_dropped_request(reason)
 
     async def _step(self, *, step, future_for_init):
         _undeclare_in_background(self._matchmaking.group_key_manager)
@@ -654,7 +635,21 @@ class _DtrainAverager(DecentralizedAverager):
             if in_main and previous is not None:
                 signal.signal(signal.SIGINT, previous)
         if await_ready:
-            self.wait_until_ready(timeout)
+            # hivemind's own wait has no limit and never notices a child that died: bounded here.
+            startup.await_ready(self, self.wait_until_ready, "averager",
+                                startup.START_TIMEOUT_S if timeout is None else timeout,
+                                explain=self._dht_state)
+
+    def _dht_state(self) -> str:
+        # The averager's start asks its DHT process for p2pd's address: a dead DHT hangs it.
+        dht = self.dht
+        try:
+            alive = dht.is_alive()
+        except AssertionError:  # only the process that started the DHT may ask
+            return "its DHT process was started elsewhere"
+        if alive:
+            return f"its DHT process (pid {dht.pid}) is running"
+        return f"its DHT process (pid {dht.pid}) is not running (exit code {dht.exitcode}): restart the node"
 
     def get_current_state(self):
         if self._state_provider is None:

@@ -111,7 +111,7 @@ class SwarmNode:
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> "SwarmNode":
-        import hivemind
+        from dtrain.swarm.dht_process import DHT_START_TIMEOUT_S, DtrainDHT
 
         os.makedirs(self.config.data_dir, exist_ok=True)
         for maddr in self.config.initial_peers:
@@ -126,12 +126,13 @@ class SwarmNode:
             ensure_bootstrap_success=False,
             bootstrap_timeout=self.config.bootstrap_timeout_s,
             start=True,
+            start_timeout_s=DHT_START_TIMEOUT_S + self.config.bootstrap_timeout_s,
         )
         if self.config.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.config.announce_maddrs)
         kwargs.update(self.config.extra_dht_kwargs)
         try:
-            self.dht = hivemind.DHT(**kwargs)
+            self.dht = DtrainDHT(**kwargs)
         except Exception as exc:
             # p2pd itself refuses to start when no bootstrap peer accepts a connection
             # ("failed to connect to bootstrap peers"). Start isolated instead and let
@@ -144,7 +145,7 @@ class SwarmNode:
                 exc,
             )
             kwargs["initial_peers"] = []
-            self.dht = hivemind.DHT(**kwargs)
+            self.dht = DtrainDHT(**kwargs)
         if self.config.initial_peers and self.num_known_peers() == 0:
             logger.warning(
                 "swarm: none of %d initial peers answered; running alone and retrying in the background of "
