@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 import torch
 
 from dtrain.swarm import compat, startup
-from dtrain.swarm.command_pipe import CommandPipe, log_dropped_request
+from dtrain.swarm.command_pipe import ServesCommandPipe
 from dtrain.swarm.records import Outcome, PeerResult, RoundLog, RoundRecord
 
 compat.apply()
@@ -589,7 +589,7 @@ def reset_torch_threads_after_fork() -> None:
         logger.warning("swarm: could not reset torch's thread pool in the averager process: %s", exc)
 
 
-class _DtrainAverager(DecentralizedAverager):
+class _DtrainAverager(ServesCommandPipe, DecentralizedAverager):
     """DecentralizedAverager whose group step applies dtrain's model check, cap and accounting."""
 
     def __init__(self, averaged_tensors, dht, *, fault=None, state_provider=None, **kwargs):
@@ -608,11 +608,8 @@ class _DtrainAverager(DecentralizedAverager):
         # In the averager's process, before it starts a thread of its own.
         startup.enable_stack_dumps()
         reset_torch_threads_after_fork()
-        self._inner_pipe = CommandPipe(self._inner_pipe)  # see dtrain/swarm/command_pipe.py
+        self._use_command_pipe()  # see dtrain/swarm/command_pipe.py
         super().run()
-
-    async def _dtrain_dropped_request(self, reason: str) -> None:  # see CommandPipe
-        await log_dropped_request(reason)
 
     async def _step(self, *, step, future_for_init):
         _undeclare_in_background(self._matchmaking.group_key_manager)

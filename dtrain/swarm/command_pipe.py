@@ -29,7 +29,8 @@ from multiprocessing.reduction import ForkingPickler
 logger = logging.getLogger(__name__)
 
 # What recv() returns in place of a request that could not be unpickled: a call of this method
-# on the process object. Both processes dispatch ``getattr(self, method)(*args, **kwargs)``.
+# (ServesCommandPipe below) on the process object. Both processes dispatch
+# ``getattr(self, method)(*args, **kwargs)``.
 DROPPED_REQUEST = "_dtrain_dropped_request"
 
 
@@ -57,6 +58,11 @@ class CommandPipe:
         return getattr(self._conn, name)
 
 
-async def log_dropped_request(reason: str) -> None:
-    """The body of each process's ``_dtrain_dropped_request`` method."""
-    logger.warning("swarm: dropped a request that could not be read (its sender likely exited): %s", reason)
+class ServesCommandPipe:
+    """Mixin for hivemind's DHT and averager classes: call ``_use_command_pipe()`` first in ``run()``."""
+
+    def _use_command_pipe(self) -> None:
+        self._inner_pipe = CommandPipe(self._inner_pipe)
+
+    async def _dtrain_dropped_request(self, reason: str) -> None:  # the DROPPED_REQUEST method
+        logger.warning("swarm: dropped a request that could not be read (its sender likely exited): %s", reason)

@@ -10,27 +10,21 @@ from typing import Optional
 import hivemind
 
 from dtrain.swarm import startup
-from dtrain.swarm.command_pipe import CommandPipe, log_dropped_request
-
-# p2pd's own start-up limit in hivemind is 15 s; the bootstrap time is added by the caller.
-DHT_START_TIMEOUT_S = startup.START_TIMEOUT_S
+from dtrain.swarm.command_pipe import ServesCommandPipe
 
 
-class DtrainDHT(hivemind.DHT):
+class DtrainDHT(ServesCommandPipe, hivemind.DHT):
     """A hivemind DHT that survives a request whose sender went away, and whose parent notices
     a child that died or hung before it was ready (dtrain/swarm/command_pipe.py, startup.py)."""
 
-    def __init__(self, *args, start_timeout_s: float = DHT_START_TIMEOUT_S, **kwargs):
+    def __init__(self, *args, start_timeout_s: float = startup.START_TIMEOUT_S, **kwargs):
         self._start_timeout_s = start_timeout_s  # read by run_in_background, which __init__ calls
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         startup.enable_stack_dumps()
-        self._inner_pipe = CommandPipe(self._inner_pipe)
+        self._use_command_pipe()
         super().run()
-
-    async def _dtrain_dropped_request(self, reason: str) -> None:  # see CommandPipe
-        await log_dropped_request(reason)
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         self.start()

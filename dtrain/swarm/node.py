@@ -111,7 +111,8 @@ class SwarmNode:
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> "SwarmNode":
-        from dtrain.swarm.dht_process import DHT_START_TIMEOUT_S, DtrainDHT
+        from dtrain.swarm.dht_process import DtrainDHT
+        from dtrain.swarm.startup import START_TIMEOUT_S
 
         os.makedirs(self.config.data_dir, exist_ok=True)
         for maddr in self.config.initial_peers:
@@ -126,7 +127,7 @@ class SwarmNode:
             ensure_bootstrap_success=False,
             bootstrap_timeout=self.config.bootstrap_timeout_s,
             start=True,
-            start_timeout_s=DHT_START_TIMEOUT_S + self.config.bootstrap_timeout_s,
+            start_timeout_s=START_TIMEOUT_S + self.config.bootstrap_timeout_s,  # p2pd start + bootstrap
         )
         if self.config.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.config.announce_maddrs)
