@@ -8,7 +8,9 @@ Standard library only: config saving uses this on fast CLI paths.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -45,12 +47,19 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync_dir(Path(final).parent)
 
 
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+@contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Open a temporary file beside ``path`` for writing; on a clean exit it replaces ``path``.
+
+    The one temp-file / fsync / ``os.replace`` / fsync-directory sequence of the code base:
+    a reader of ``path`` sees the old file or the complete new one. If the block raises
+    (or the process is interrupted), the partial file is removed and ``path`` is untouched.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -58,6 +67,11 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with replacing(path) as fh:
+        fh.write(data)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

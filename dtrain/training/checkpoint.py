@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from dtrain.atomic import fsync_dir, publish_dir, write_bytes
+from dtrain.atomic import publish_dir, replacing, write_bytes
 from dtrain.training.errors import CheckpointError
 
 FORMAT = "dtrain-checkpoint/1"
@@ -101,20 +101,11 @@ def save_checkpoint(
     prev = read_manifest(d)
     seq = prev["seq"] + 1 if prev else 1
     final = d / f"ckpt-{seq:08d}.pt"
-    tmp = d / f".{final.name}.tmp-{os.getpid()}"
     payload = {"format": FORMAT, **state}
-    try:
-        with open(tmp, "wb") as f:
-            w = _HashingWriter(f, on_write)
-            torch.save(payload, w)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        # An interrupted write leaves the previous checkpoint as LATEST; drop the partial file.
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(d)
+    # An interrupted write leaves the previous checkpoint as LATEST and no partial file.
+    with replacing(final) as f:
+        w = _HashingWriter(f, on_write)
+        torch.save(payload, w)
     entry = {"format": FORMAT, "seq": seq, "file": final.name, "size": w.size, "sha256": w.sha.hexdigest()}
     if prev:
         entry["previous"] = {k: prev[k] for k in ("seq", "file", "size", "sha256")}

@@ -11,13 +11,14 @@ bandwidth check. The miner commits each snapshot's sketches in its trajectory re
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+
+from dtrain.atomic import write_bytes
 
 SECTIONS = 3  # params, exp_avg, exp_avg_sq
 _NAME = re.compile(r"^e(\d+)-s(\d+)\.bin$")
@@ -98,12 +99,7 @@ class SnapshotStore:
 
     def save(self, epoch: int, step: int, data: bytes) -> None:
         final = self.path(epoch, step)
-        tmp = final.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)  # a reader sees the whole snapshot or none
+        write_bytes(final, data)  # a reader sees the whole snapshot or none
 
     def read(self, epoch: int, step: int, offset: int, length: int) -> bytes:
         path = self.path(epoch, step)
