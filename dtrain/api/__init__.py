@@ -3,5 +3,6 @@ the validator-side client.
 
 Kept import-free so ``dtrain --help`` stays fast; import the submodules:
 ``dtrain.api.server`` (``MinerApiServer``, ``Handlers``), ``dtrain.api.client``
-(``MinerClient``), ``dtrain.api.schema`` (payload validation, OpenAPI).
+(``MinerClient``), ``dtrain.api.messages`` (request/response payloads and their
+validation) and ``dtrain.api.openapi`` (the OpenAPI document).
 """

@@ -14,12 +14,14 @@ Flow for one validation round::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 # The round outcome codes are the swarm's (one enum for the protocol); records.py is plain
 # Python, so scoring stays free of torch and hivemind.
+from dtrain.config import ValidatorConfig
 from dtrain.swarm.records import Outcome
 
 
@@ -87,14 +89,23 @@ class MinerRoundInput:
             object.__setattr__(self, "outcome", Outcome.parse(self.outcome))
 
 
+# The ``[validator]`` settings' schema defaults (dtrain.config imports only the standard library).
+_VALIDATOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ValidatorConfig)}
+
+
 @dataclass(frozen=True)
 class ScoringConfig:
-    """Constants of the scoring formulas (see docs/scoring.md for each)."""
+    """Constants of the scoring formulas (see docs/scoring.md for each).
 
-    w_gradient: float = 0.30
-    w_steps: float = 0.35
-    w_bandwidth: float = 0.20
-    w_participation: float = 0.15
+    The weights and the EMA factor an operator can set come from the one config schema
+    (``[validator]`` in dtrain.config), so a library default never disagrees with what
+    ``dtrain validate`` runs; the other constants are not operator settings.
+    """
+
+    w_gradient: float = _VALIDATOR_DEFAULTS["weight_gradient"]
+    w_steps: float = _VALIDATOR_DEFAULTS["weight_steps"]
+    w_bandwidth: float = _VALIDATOR_DEFAULTS["weight_bandwidth"]
+    w_participation: float = _VALIDATOR_DEFAULTS["weight_allreduce"]
     # exp(-loss_rel_err / loss_rel_scale) discounts loss disagreement inside a passing check.
     loss_rel_scale: float = 0.10
     # claimed_samples may exceed verified_samples by at most this factor before the miner
@@ -105,7 +116,14 @@ class ScoringConfig:
     # Throughput at or below this (bytes/s) scores 0; the log scale starts here.
     bandwidth_floor_bps: float = 125_000.0  # 1 Mbit/s
     # EMA smoothing factor: ema <- (1 - alpha) * ema + alpha * combined.
-    ema_alpha: float = 0.10
+    ema_alpha: float = _VALIDATOR_DEFAULTS["ema_alpha"]
+
+    @classmethod
+    def from_validator(cls, validator_cfg) -> "ScoringConfig":
+        """The scoring constants of a ``[validator]`` config section (dtrain.config.ValidatorConfig)."""
+        v = validator_cfg
+        return cls(w_gradient=v.weight_gradient, w_steps=v.weight_steps, w_bandwidth=v.weight_bandwidth,
+                   w_participation=v.weight_allreduce, ema_alpha=v.ema_alpha)
 
     def __post_init__(self) -> None:
         ws = (self.w_gradient, self.w_steps, self.w_bandwidth, self.w_participation)
