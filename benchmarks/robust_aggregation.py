@@ -3,7 +3,7 @@
 
 Four simulated miners train the sandbox model together, round after round: each computes
 its real mean gradient on its own assigned pages, the contributions are aggregated part by
-part exactly as dtrain's reducers do (hivemind's part layout, ``dtrain.swarm.robust``), and
+part exactly as dtrain's reducers do (hivemind's part layout, ``dtrain.swarm.averaging.centered_clip``), and
 every replica takes the same AdamW step. One miner sends ``-s x`` its gradient, with ``s``
 up to 9.9: inside the out-of-scale rule, which refuses only norms above 10x the median.
 Such a contribution is caught by the work commitments when it is sent naively; this
@@ -42,15 +42,16 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--scales", type=float, nargs="+", default=[1.0, 3.0, 9.9])
     ap.add_argument("--part-size-bytes", type=int, default=2**17)
-    ap.add_argument("--tau-scale", type=float, default=None, help="override dtrain.swarm.robust.TAU_SCALE")
+    ap.add_argument("--tau-scale", type=float, default=None,
+                    help="override dtrain.swarm.averaging.centered_clip.TAU_SCALE")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
     import torch
 
-    from dtrain.swarm import compat
-    from dtrain.swarm.contribution import PartLayout
-    from dtrain.swarm.robust import TAU_SCALE, centered_clip, weighted_mean
+    from dtrain.swarm import codecs
+    from dtrain.swarm.averaging.centered_clip import TAU_SCALE, centered_clip, weighted_mean
+    from dtrain.swarm.averaging.contribution import PartLayout
 
     tau_scale = args.tau_scale if args.tau_scale is not None else TAU_SCALE
     from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         trainer = Trainer(copy.deepcopy(base), TrainerConfig(micro_batch_size=8, local_batch_size=args.local_batch,
                                                              lr=args.lr, warmup_steps=0, total_steps=1000))
         if layout is None:
-            layout = PartLayout.of([p.detach() for p in trainer.params], compat.make_compression("none"),
+            layout = PartLayout.of([p.detach() for p in trainer.params], codecs.make_compression("none"),
                                    args.part_size_bytes)
         start = eval_loss(trainer.model)
         curve = [start]

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dtrain.config import AllReduceConfig  # noqa: E402
-from dtrain.swarm.compat import BLOCK  # noqa: E402
+from dtrain.swarm.codecs import BLOCK  # noqa: E402
 from dtrain.training.models import GPT2_VOCAB_SIZE, PRESETS  # noqa: E402
 from dtrain.training.work import WORK_SKETCH_K  # noqa: E402
 from scripts.docgen import check_flag, write_or_check  # noqa: E402
@@ -29,14 +29,16 @@ VOCAB = GPT2_VOCAB_SIZE  # the GPT-2 tokenizer (distilgpt2) the live subnet trai
 GROUP = 16  # peers in a round: (n-1)/n is within 7 % of 1 from here up
 DEFAULT_H = AllReduceConfig().diloco_inner_steps
 # Wire bytes per value: fp32 4; dtrain's blockwise 8-bit 1, plus one float32 scale per BLOCK
-# values (dtrain/swarm/compat.py, BlockwiseAbsmax8Bit: 0.266 of fp32).
+# values (dtrain/swarm/codecs.py, BlockwiseAbsmax8Bit: 0.266 of fp32).
 WIRE_BYTES = {"fp32": 4.0, "8-bit": 1.0 + 4 / BLOCK}
-# AveragingConfig.part_size_bytes, wire bytes per part (not imported: dtrain.swarm.averaging loads hivemind)
+# AveragingConfig.part_size_bytes, wire bytes per part (not imported: dtrain.swarm.averaging loads hivemind;
+# tests/test_swarm_settings.py checks the two agree)
 PART_SIZE_BYTES = 2**17
 CLAIM_BYTES = WORK_SKETCH_K * 4  # a work commitment's claim per part: WORK_SKETCH_K float32 values
 # Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
 # commitments): the lower of benchmarks/allreduce_netns.py's two link-bound settings,
-# "dtrain-prod", 4 peers on 100 Mbit and 8 peers on 25 Mbit (docs/swarm.md, "Measured").
+# "dtrain" (the production settings), 4 peers on 100 Mbit and 8 peers on 25 Mbit (docs/swarm.md,
+# "Measured").
 MEASURED_EFFICIENCY = 0.67
 
 

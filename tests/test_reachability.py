@@ -338,10 +338,11 @@ def loopback_miner(tmp_path_factory):
     pytest.importorskip("bittensor")
     from dtrain.api.messages import QueryLimits, StatusResponse
     from dtrain.api.server import Handlers, MinerApiServer
-    from dtrain.swarm.node import NodeConfig, SwarmNode
+    from dtrain.swarm.node import SwarmNode, SwarmNodeConfig
 
-    node = SwarmNode(NodeConfig(data_dir=str(tmp_path_factory.mktemp("node")), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                extra_dht_kwargs={"nat_port_map": False})).start()
+    node = SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path_factory.mktemp("node")),
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                     extra_dht_kwargs={"nat_port_map": False})).start()
     maddrs = tuple(node.visible_maddrs())
 
     def refuse(*_):

@@ -1,13 +1,14 @@
-"""The early group-formation rule (dtrain/swarm/assembly.py): a pure function of gathers."""
+"""The early group-formation rule (dtrain/swarm/averaging/assembly.py): a pure function of gathers."""
 
 from __future__ import annotations
 
 import math
 
+from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dtrain.swarm.assembly import (
+from dtrain.swarm.averaging.assembly import (
     EXPECT_KEY,
     MAX_EXPECTED,
     MemberClaim,
@@ -16,10 +17,6 @@ from dtrain.swarm.assembly import (
     expect_list,
     ready_to_assemble,
 )
-from dtrain.swarm.compat import apply as _apply_compat
-
-_apply_compat()
-from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402  (after dtrain's shim)
 
 loads, dumps = MSGPackSerializer.loads, MSGPackSerializer.dumps
 

@@ -1,4 +1,4 @@
-"""Early group formation with real hivemind peers on loopback (dtrain/swarm/assembly.py).
+"""Early group formation with real hivemind peers on loopback (dtrain/swarm/averaging/assembly.py).
 
 The tests that need a group to form *before* the matchmaking window use a 600 s window and a
 far shorter deadline of their own: only early formation can finish in time, and a machine
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
-from dtrain.swarm.testing import PeerProcess, local_nodes, run_concurrently
+from tests.peer_process import PeerProcess
 from tests.swarm_checks import LOOPBACK_MATCHMAKING, check_round_contract, loopback_config
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,8 @@ def nodes():
 
 
 def _cfg(**kw) -> AveragingConfig:
-    return loopback_config(f"asm{next(_prefix)}", 2, **{"target_group_size": 64, **kw})
+    # the miners' exact weighted mean is checked: ask for it (CenteredClip is the production default)
+    return loopback_config(f"asm{next(_prefix)}", 2, **{"target_group_size": 64, "aggregation": "mean", **kw})
 
 
 def _long_window() -> AveragingConfig:

@@ -9,9 +9,11 @@ import time
 import pytest
 import torch
 
-from dtrain.swarm.averaging import AveragingConfig, FaultInjection, GradientSwarm, Interrupted
+from dtrain.swarm.averaging import AveragingConfig, GradientSwarm, Interrupted
+from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome, read_records
-from dtrain.swarm.testing import local_nodes, run_concurrently
+from tests.faults import FaultInjection
+from tests.faults import swarm as make_swarm
 from tests.swarm_checks import check_round_contract, loopback_config
 
 pytestmark = pytest.mark.slow
@@ -26,8 +28,10 @@ def nodes():
 
 
 def _cfg(group: int, **kw) -> AveragingConfig:
-    # unique prefix per test: rounds of different tests never matchmake with each other
-    return loopback_config(f"t{next(_prefix_counter)}", group, **kw)
+    # unique prefix per test: rounds of different tests never matchmake with each other. These
+    # tests check hivemind's weighted mean to the bit, so they ask for it (the production default,
+    # CenteredClip, has its own tests: test_swarm_datapath_reducer.py, test_swarm_commitments.py).
+    return loopback_config(f"t{next(_prefix_counter)}", group, **{"aggregation": "mean", **kw})
 
 
 def _swarms(nodes, tensors, cfg, fingerprints=None, faults=None, **kw):
@@ -35,7 +39,7 @@ def _swarms(nodes, tensors, cfg, fingerprints=None, faults=None, **kw):
     for i, ts in enumerate(tensors):
         fp = fingerprints[i] if fingerprints else "model-a"
         fault = faults[i] if faults else None
-        out.append(GradientSwarm(nodes[i].dht, ts, fp, cfg, fault=fault, **kw))
+        out.append(make_swarm(nodes[i].dht, ts, fp, cfg, fault=fault, **kw))
     return out
 
 

@@ -22,9 +22,9 @@ from multiprocessing import connection, resource_sharer
 import pytest
 import torch
 
-from dtrain.swarm.averaging import _DtrainAverager
+from dtrain.swarm.averaging.averager import SwarmAverager
 from dtrain.swarm.command_pipe import CommandPipe
-from dtrain.swarm.dht_process import DtrainDHT
+from dtrain.swarm.hivemind_internals import DHTProcess
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_the_pipe_drops_only_that_request(tmp_path):
 
 
 def test_a_dht_survives_a_request_whose_sender_hung_up(tmp_path):
-    dht = DtrainDHT(start=True, host_maddrs=LOOP)
+    dht = DHTProcess(start=True, host_maddrs=LOOP)
     try:
         with hanging_up_sender(tmp_path) as address:
             dht._outer_pipe.send(("_run_coroutine", [], dict(coro=_answer, future=ReplyPipeOfAGoneSender(address))))
@@ -109,8 +109,8 @@ def test_a_dht_survives_a_request_whose_sender_hung_up(tmp_path):
 
 
 def test_an_averager_survives_a_request_whose_sender_hung_up(tmp_path):
-    dht = DtrainDHT(start=True, host_maddrs=LOOP)
-    averager = _DtrainAverager([torch.zeros(4)], dht, start=True, prefix="pipe", target_group_size=2)
+    dht = DHTProcess(start=True, host_maddrs=LOOP)
+    averager = SwarmAverager([torch.zeros(4)], dht, start=True, prefix="pipe", target_group_size=2)
     try:
         with hanging_up_sender(tmp_path) as address:
             averager._outer_pipe.send(("_get_group_bits", [], dict(future=ReplyPipeOfAGoneSender(address))))

@@ -13,11 +13,13 @@ import itertools
 import pytest
 import torch
 
-from dtrain.swarm.averaging import AveragingConfig, FaultInjection, GradientSwarm
+from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
-from dtrain.swarm.testing import local_nodes, run_concurrently
 from dtrain.training.fingerprint import gradient_sketch
 from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkReport, work_nonce
+from tests.faults import FaultInjection
+from tests.faults import swarm as make_swarm
 from tests.swarm_checks import loopback_config
 
 pytestmark = pytest.mark.slow
@@ -33,7 +35,9 @@ def nodes():
 
 
 def _cfg(group: int, **kw) -> AveragingConfig:
-    return loopback_config(f"c{next(_prefix)}", group, **{"require_commitments": True, **kw})
+    # exact weighted means are checked below: ask for them (test_centered_clip_bounds_an_unchecked_attacker
+    # compares both rules)
+    return loopback_config(f"c{next(_prefix)}", group, **{"require_commitments": True, "aggregation": "mean", **kw})
 
 
 def honest_report(tensors, samples: int, pages: int = 2) -> WorkReport:
@@ -49,7 +53,7 @@ def honest_report(tensors, samples: int, pages: int = 2) -> WorkReport:
 
 
 def _run(nodes, data, cfg, *, reports, sent=None, weights, faults=None):
-    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg, fault=(faults or {}).get(i))
+    swarms = [make_swarm(nodes[i].dht, data[i], "model-a", cfg, fault=(faults or {}).get(i))
               for i in range(len(data))]
     sent = sent or data
     try:

@@ -15,12 +15,14 @@ import itertools
 import pytest
 import torch
 
-from dtrain.swarm import compat
-from dtrain.swarm.averaging import AveragingConfig, FaultInjection, GradientSwarm
-from dtrain.swarm.contribution import PartLayout, as_received
+from dtrain.swarm.averaging import AveragingConfig
+from dtrain.swarm.averaging.centered_clip import centered_clip
+from dtrain.swarm.averaging.contribution import PartLayout, as_received
+from dtrain.swarm.codecs import make_compression
+from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
-from dtrain.swarm.robust import centered_clip
-from dtrain.swarm.testing import local_nodes, run_concurrently
+from tests.faults import FaultInjection
+from tests.faults import swarm as make_swarm
 from tests.swarm_checks import check_round_contract, loopback_config
 
 pytestmark = pytest.mark.slow
@@ -42,7 +44,7 @@ def _cfg(**kw) -> AveragingConfig:
 
 
 def _round(nodes, data, cfg, faults=None):
-    swarms = [GradientSwarm(nodes[i].dht, [data[i]], "model-a", cfg, fault=(faults or {}).get(i)) for i in range(4)]
+    swarms = [make_swarm(nodes[i].dht, [data[i]], "model-a", cfg, fault=(faults or {}).get(i)) for i in range(4)]
     try:
         return swarms, run_concurrently([lambda i=i: swarms[i].run_round([data[i]], weight=8, cap=100)
                                          for i in range(4)])
@@ -53,7 +55,7 @@ def _round(nodes, data, cfg, faults=None):
 
 def _clip_per_part(contributions, compression: str) -> torch.Tensor:
     """What the rule gives: each part is the CenteredClip of the senders' parts as received."""
-    comp = compat.make_compression(compression)
+    comp = make_compression(compression)
     layout = PartLayout.of([contributions[0]], comp, PART_BYTES)
     out = torch.empty(N)
     for _, start, length in layout.parts:

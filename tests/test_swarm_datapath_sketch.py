@@ -96,7 +96,7 @@ def test_claims_are_unchanged_by_the_fast_path():
     # compute_claims (sender) and part_matches_claim (reducer) both go through range_sketch
     from hivemind.compression import NoCompression
 
-    from dtrain.swarm.contribution import PartLayout, compute_claims, part_matches_claim
+    from dtrain.swarm.averaging.contribution import PartLayout, compute_claims, part_matches_claim
 
     # gradient-like values: claims are float32, so sketches must stay in float32's range
     tensors = [torch.randn(100_000, generator=torch.Generator().manual_seed(11)),

@@ -5,7 +5,7 @@ suite does at collection, an operator's script may), each new thread's first tor
 child re-applies that count and rebuilds the thread pool torch marked as lost in the fork;
 threads doing it together race and one fails with "Invalid thread pool!". In a round that was
 the 8-bit codec's first part for one reducer, in hivemind's writer task: the reducer heard
-nothing and banned an honest sender (dtrain/swarm/averaging.py, reset_torch_threads_after_fork).
+nothing and banned an honest sender (dtrain/swarm/averaging/averager.py, reset_torch_threads_after_fork).
 
 The check runs in a fresh interpreter so the torch state it sets up is exactly the one above.
 """
@@ -23,17 +23,17 @@ SCRIPT = textwrap.dedent(
     import os, sys, threading
     import torch
     from hivemind.compression import CompressionInfo
-    from dtrain.swarm import compat
-    from dtrain.swarm.averaging import reset_torch_threads_after_fork
+    from dtrain.swarm.averaging.averager import reset_torch_threads_after_fork
+    from dtrain.swarm.codecs import make_compression
 
     torch.set_num_threads(2)
     (torch.randn(1_000_000) * 2).sum()  # the parent has used its pool before it forks
-    codec = compat.make_compression("8bit")
+    codec = make_compression("8bit")
     reset = sys.argv[1] == "reset"
 
     def child():
         if reset:
-            reset_torch_threads_after_fork()  # what _DtrainAverager.run does first
+            reset_torch_threads_after_fork()  # what SwarmAverager.on_process_start does first
         errors = []
         start = threading.Barrier(8)
 

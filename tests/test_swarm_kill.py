@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
-from dtrain.swarm.testing import PeerProcess, local_nodes, run_concurrently
+from tests.peer_process import PeerProcess
 from tests.swarm_checks import LOOPBACK_MATCHMAKING
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,7 @@ def _round_with_a_victim(nodes, prefix: str, numel: int):
             # on a loaded 2-core machine is not banned for a slow part
             prefix=prefix, min_group_size=3, target_group_size=3, **LOOPBACK_MATCHMAKING, sender_timeout_s=10,
             part_size_bytes=4096, matchmaking_timeout_s=60, allreduce_timeout_s=60, allow_state_sharing=False,
+            aggregation="mean",  # as the victim (tests/peer_process.py): the subject is the kill, not the rule
         )
         data = [torch.full((numel,), 1.0), torch.full((numel,), 3.0)]
         swarms = [GradientSwarm(n.dht, [d], "fp", cfg) for n, d in zip(nodes, data)]

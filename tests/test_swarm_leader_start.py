@@ -10,16 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import hivemind
 import pytest
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.utils.timed_storage import get_dht_time
 
-from dtrain.swarm.compat import apply as _apply_compat
-
-_apply_compat()
-import hivemind  # noqa: E402  (after dtrain's shim)
-from hivemind.averaging.key_manager import GroupKeyManager  # noqa: E402
-from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
-
-from dtrain.swarm.averaging import _undeclare_in_background  # noqa: E402
+from dtrain.swarm.hivemind_internals import undeclare_in_background
 
 STORE_DELAY_S = 1.5
 
@@ -57,8 +53,8 @@ def _looking(dht, key: str, peer) -> bool | None:
 
 def test_leaving_the_queue_returns_at_once_and_still_reaches_the_dht(dht):
     km, finished = _slow_key_manager(dht)
-    _undeclare_in_background(km)
-    _undeclare_in_background(km)  # idempotent: the manager is wrapped once per process
+    undeclare_in_background(km)
+    undeclare_in_background(km)  # idempotent: the manager is wrapped once per process
     key = km.current_key
     expiration = get_dht_time() + 60
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from dtrain.swarm.node import NodeConfig, NoPeersReachable, SwarmNode
+from dtrain.swarm.loopback import local_nodes
+from dtrain.swarm.node import NoPeersReachable, SwarmNode, SwarmNodeConfig
 from dtrain.swarm.progress import ProgressTracker
-from dtrain.swarm.testing import local_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ LOOP = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def test_identity_survives_restart(tmp_path):
-    cfg = NodeConfig(data_dir=str(tmp_path / "n"), host_maddrs=LOOP)
+    cfg = SwarmNodeConfig(data_dir=str(tmp_path / "n"), host_maddrs=LOOP)
     with SwarmNode(cfg) as node:
         first = node.peer_id
     assert (tmp_path / "n" / "p2p_identity.key").exists()
@@ -26,10 +26,10 @@ def test_identity_survives_restart(tmp_path):
 
 def test_unreachable_bootstrap_does_not_crash_and_retries(tmp_path):
     # a well-formed address nobody listens on (the peer id is a throwaway identity of our own)
-    with SwarmNode(NodeConfig(data_dir=str(tmp_path / "ghost"), host_maddrs=LOOP)) as ghost:
+    with SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path / "ghost"), host_maddrs=LOOP)) as ghost:
         ghost_id = ghost.peer_id
     dead = f"/ip4/127.0.0.1/tcp/9/p2p/{ghost_id}"
-    cfg = NodeConfig(
+    cfg = SwarmNodeConfig(
         data_dir=str(tmp_path / "n"), host_maddrs=LOOP, initial_peers=[dead], bootstrap_timeout_s=1,
         retry_initial_s=0.2, retry_max_s=0.4,
     )
@@ -46,7 +46,7 @@ def test_unreachable_bootstrap_does_not_crash_and_retries(tmp_path):
 
 def test_bad_initial_peer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="/p2p/"):
-        SwarmNode(NodeConfig(data_dir=str(tmp_path), initial_peers=["/ip4/127.0.0.1/tcp/1"])).start()
+        SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path), initial_peers=["/ip4/127.0.0.1/tcp/1"])).start()
 
 
 def test_connects_and_progress_tracker():
@@ -73,8 +73,8 @@ def test_connects_and_progress_tracker():
 def test_a_node_that_started_alone_joins_when_a_peer_appears(tmp_path):
     """The re-dial behind ensure_connected: the first node of a swarm starts isolated and
     must reach a committed peer that comes up later."""
-    with SwarmNode(NodeConfig(data_dir=str(tmp_path / "a"), host_maddrs=LOOP)) as first:
-        with SwarmNode(NodeConfig(data_dir=str(tmp_path / "b"), host_maddrs=LOOP)) as late:
+    with SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path / "a"), host_maddrs=LOOP)) as first:
+        with SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path / "b"), host_maddrs=LOOP)) as late:
             assert late.num_known_peers() == 0
             late.config.initial_peers = [m for m in first.visible_maddrs() if "/127.0.0.1/" in m]
             assert late.config.initial_peers

@@ -1,8 +1,8 @@
 """A sender hangs up on a reducer as soon as it holds every averaged part it expects.
 
 The reducer keeps its end of the stream open after its last reply, and the sender closes
-once that reply is in (dtrain/swarm/averaging.py, _CountingStub and
-_DtrainRunner.rpc_aggregate_part). Closing first on the reducer's side let p2pd drop the
+once that reply is in (dtrain/swarm/hivemind_internals/runner.py, CountingStub and
+ButterflyRunner.rpc_aggregate_part). Closing first on the reducer's side let p2pd drop the
 last reply now and then, and the sender then kept its local values for that whole share.
 """
 
@@ -12,10 +12,10 @@ import asyncio
 import types
 
 import torch
-
-from dtrain.swarm.averaging import _CountingStub
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import averaging_pb2
+
+from dtrain.swarm.hivemind_internals import CountingStub
 
 
 def _reply(i: int) -> averaging_pb2.AveragingData:
@@ -42,7 +42,7 @@ def _reducer(parts: int, then_wait: bool, closed: list):
 
 def _collect(stub, expected: int, runner) -> list:
     async def go():
-        stream = await _CountingStub(stub, runner, expected).rpc_aggregate_part(None)
+        stream = await CountingStub(stub, runner, expected).rpc_aggregate_part(None)
         return [m async for m in stream]
 
     return asyncio.run(asyncio.wait_for(go(), timeout=30))

@@ -15,21 +15,21 @@ import pytest
 import torch
 
 from dtrain.swarm import startup
-from dtrain.swarm.averaging import _DtrainAverager
-from dtrain.swarm.dht_process import DtrainDHT
-from dtrain.swarm.testing import local_nodes
+from dtrain.swarm.averaging.averager import SwarmAverager
+from dtrain.swarm.hivemind_internals import DHTProcess
+from dtrain.swarm.loopback import local_nodes
 
 pytestmark = pytest.mark.slow
 
 
-class _DiesAtStart(_DtrainAverager):
+class _DiesAtStart(SwarmAverager):
     def run(self):
         os._exit(7)  # what a crash before hivemind's try block looks like to the parent
 
 
-class _HangsAtStart(_DtrainAverager):
+class _HangsAtStart(SwarmAverager):
     def run(self):
-        startup.enable_stack_dumps()  # as _DtrainAverager.run does first
+        startup.enable_stack_dumps()  # as SwarmAverager.on_process_start does first
         stuck_before_ready()
 
 
@@ -37,7 +37,7 @@ def stuck_before_ready():
     time.sleep(3600)
 
 
-class _DHTDiesAtStart(DtrainDHT):
+class _DHTDiesAtStart(DHTProcess):
     def run(self):
         os._exit(5)
 
@@ -65,7 +65,7 @@ def test_an_averager_stuck_before_ready_is_dumped_and_stopped(node, capfd):
 
 
 def test_a_ready_averager_starts_and_shuts_down(node):
-    averager = _DtrainAverager([torch.zeros(4)], node.dht, start=True, prefix="fine", target_group_size=2)
+    averager = SwarmAverager([torch.zeros(4)], node.dht, start=True, prefix="fine", target_group_size=2)
     try:
         assert averager.is_alive()
     finally:
@@ -81,6 +81,6 @@ def test_the_start_up_exception_of_the_child_still_reaches_the_caller():
     # The child's p2pd refuses an initial peer without /p2p/<id>; hivemind hands that
     # exception to the parent through the ready future, and it must arrive as itself.
     with pytest.raises(Exception, match="invalid p2p multiaddr") as info:
-        DtrainDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=["/ip4/127.0.0.1/tcp/1"],
+        DHTProcess(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=["/ip4/127.0.0.1/tcp/1"],
                   start_timeout_s=60)
     assert not isinstance(info.value, startup.ProcessStartError)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.swarm.contribution import (
+from dtrain.swarm.averaging.contribution import (
     BINDING_RTOL, Commitment, PartLayout, binding_error, binding_verdict, compute_claims, part_matches_claim,
 )
-from dtrain.swarm.robust import centered_clip, weighted_mean
+from dtrain.swarm.averaging.centered_clip import centered_clip, weighted_mean
 from dtrain.training.fingerprint import gradient_sketch, range_sketch
 from dtrain.training.replica import (
     REPLICA_RTOL, params_distance, params_rms, params_sketch, sketch_distance, slice_distance, within_tolerance,
@@ -42,10 +42,10 @@ def test_part_layout_is_hiveminds(compression):
     """The parts dtrain claims about are exactly the ones hivemind's container sends."""
     from hivemind.averaging.partition import TensorPartContainer
 
-    from dtrain.swarm import compat
+    from dtrain.swarm import codecs
 
     ts = _tensors() + [torch.randn(3000)]
-    comp = compat.make_compression(compression)
+    comp = codecs.make_compression(compression)
     layout = PartLayout.of(ts, comp, part_size_bytes=1024)
     container = TensorPartContainer(ts, peer_fractions=(0.5, 0.3, 0.2), compression=comp, part_size_bytes=1024)
     theirs = [part for peer in range(3) for part in container.get_raw_input_parts(peer)]
@@ -60,9 +60,9 @@ def _report_for(tensors, samples=8, epoch=7):
 
 
 def _commitment(sent, report, compression="none"):
-    from dtrain.swarm import compat
+    from dtrain.swarm import codecs
 
-    comp = compat.make_compression(compression)
+    comp = codecs.make_compression(compression)
     layout = PartLayout.of(sent, comp, 512)
     claims = compute_claims(sent, layout, NONCE, comp)
     return Commitment.parse(Commitment(NONCE, report, claims).to_gather(), len(layout)), layout

@@ -59,12 +59,15 @@ def _run(neuron) -> int:
     from dtrain.chain.base import ChainClientBug, ChainError
     from dtrain.hub.base import StoreError
     from dtrain.neurons.runtime import NeuronError
+    from dtrain.swarm.library import UnsupportedHivemind, check_swarm_library
     from dtrain.training.errors import TrainingError
     from dtrain.validation.state import StateError
 
     try:
+        # First: a neuron on an untested hivemind would fail mid-round in ways no import shows.
+        check_swarm_library()
         return neuron.run()
-    except (NeuronError, TrainingError, ChainError, StateError, StoreError) as exc:
+    except (NeuronError, UnsupportedHivemind, TrainingError, ChainError, StateError, StoreError) as exc:
         raise CommandError(str(exc)) from None
     except ChainClientBug as exc:
         # A bug, not an outage: the traceback of the SDK's error is what a report needs.

@@ -22,14 +22,12 @@ survives only OSError, ConnectionError and RuntimeError. Two things break it:
 
 from __future__ import annotations
 
-import logging
 import os
 from multiprocessing.reduction import ForkingPickler
 
-logger = logging.getLogger(__name__)
-
 # What recv() returns in place of a request that could not be unpickled: a call of this method
-# (ServesCommandPipe below) on the process object. Both processes dispatch
+# on the process object (defined by the wall's ServesCommandPipe, dtrain/swarm/hivemind_internals/,
+# which also swaps hivemind's pipe for a CommandPipe). Both processes dispatch
 # ``getattr(self, method)(*args, **kwargs)``.
 DROPPED_REQUEST = "_dtrain_dropped_request"
 
@@ -56,13 +54,3 @@ class CommandPipe:
 
     def __getattr__(self, name):
         return getattr(self._conn, name)
-
-
-class ServesCommandPipe:
-    """Mixin for hivemind's DHT and averager classes: call ``_use_command_pipe()`` first in ``run()``."""
-
-    def _use_command_pipe(self) -> None:
-        self._inner_pipe = CommandPipe(self._inner_pipe)
-
-    async def _dtrain_dropped_request(self, reason: str) -> None:  # the DROPPED_REQUEST method
-        logger.warning("swarm: dropped a request that could not be read (its sender likely exited): %s", reason)

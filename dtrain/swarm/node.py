@@ -30,7 +30,9 @@ class NoPeersReachable(ConnectionError):
 
 
 @dataclass
-class NodeConfig:
+class SwarmNodeConfig:
+    """How a node joins the swarm (``dtrain.config.NodeConfig`` is the neuron's [node] table, another thing)."""
+
     data_dir: str  # where the identity key is kept (created if missing)
     initial_peers: Sequence[str] = ()  # full multiaddrs incl. /p2p/<peer id>
     host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
@@ -62,6 +64,8 @@ async def _ping_all(maddrs: Sequence[str], timeout: float, _dht, node) -> int:
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
+    from dtrain.swarm.hivemind_internals import dial
+
     async def one(maddr: str) -> bool:
         peer_id = _peer_id_of(maddr)
         peer = PeerID.from_base58(peer_id)
@@ -70,8 +74,7 @@ async def _ping_all(maddrs: Sequence[str], timeout: float, _dht, node) -> int:
         transport = Multiaddr(maddr).decapsulate(Multiaddr(f"/p2p/{peer_id}"))
         try:
             # p2pd forgets addresses it failed to dial at startup; re-dial explicitly.
-            # (_client is hivemind's p2pd client; P2P has no public connect().)
-            await asyncio.wait_for(node.p2p._client.connect(peer, [transport]), timeout)
+            await dial(node, peer_id, transport, timeout)
             return (await asyncio.wait_for(node.protocol.call_ping(peer), timeout)) is not None
         except Exception as exc:  # unreachable: counted as a miss, retried later
             logger.debug("swarm: dial %s failed: %r", maddr, exc)
@@ -104,14 +107,14 @@ async def _ping_peer_ids(peer_ids: Sequence[str], timeout: float, _dht, node) ->
 class SwarmNode:
     """A running hivemind DHT with a persistent identity. Use as a context manager or call shutdown()."""
 
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: SwarmNodeConfig):
         self.config = config
         self.dht = None
         self._lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> "SwarmNode":
-        from dtrain.swarm.dht_process import DtrainDHT
+        from dtrain.swarm.hivemind_internals import DHTProcess
         from dtrain.swarm.startup import START_TIMEOUT_S
 
         os.makedirs(self.config.data_dir, exist_ok=True)
@@ -133,7 +136,7 @@ class SwarmNode:
             kwargs["announce_maddrs"] = list(self.config.announce_maddrs)
         kwargs.update(self.config.extra_dht_kwargs)
         try:
-            self.dht = DtrainDHT(**kwargs)
+            self.dht = DHTProcess(**kwargs)
         except Exception as exc:
             # p2pd itself refuses to start when no bootstrap peer accepts a connection
             # ("failed to connect to bootstrap peers"). Start isolated instead and let
@@ -146,7 +149,7 @@ class SwarmNode:
                 exc,
             )
             kwargs["initial_peers"] = []
-            self.dht = DtrainDHT(**kwargs)
+            self.dht = DHTProcess(**kwargs)
         if self.config.initial_peers and self.num_known_peers() == 0:
             logger.warning(
                 "swarm: none of %d initial peers answered; running alone and retrying in the background of "

@@ -93,13 +93,14 @@ async def _dial_one(maddr: str, timeout: float, _dht, node) -> tuple[bool, str]:
     import asyncio
 
     from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
+
+    from dtrain.swarm.hivemind_internals import dial
 
     parsed = ra.parse_maddr(maddr)
     peer = PeerID.from_base58(parsed.peer_id)
     transport = maddr[:maddr.rindex("/p2p/")] if not parsed.relayed else maddr
     try:
-        await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(transport)]), timeout)
+        await dial(node, parsed.peer_id, transport, timeout)
     except Exception as exc:
         return False, f"libp2p connection failed: {type(exc).__name__}: {exc}"
     try:
@@ -111,13 +112,13 @@ async def _dial_one(maddr: str, timeout: float, _dht, node) -> tuple[bool, str]:
 
 def _dial(maddrs: list[str], timeout: float) -> dict[str, tuple[bool, str]]:
     """Dial each full multiaddr (with /p2p/<id>) from a throwaway hivemind client and ping it."""
-    from dtrain.swarm.node import NodeConfig, SwarmNode
+    from dtrain.swarm.node import SwarmNode, SwarmNodeConfig
 
     results: dict[str, tuple[bool, str]] = {}
     with tempfile.TemporaryDirectory(prefix="dtrain-reach-") as tmp:
         # client_mode: the probe serves nothing and is never added to anybody's routing table.
         # No UPnP either: the probe only dials out, and asking the router for a port is not its business.
-        node = SwarmNode(NodeConfig(data_dir=tmp, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
+        node = SwarmNode(SwarmNodeConfig(data_dir=tmp, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
                                     bootstrap_timeout_s=timeout, extra_dht_kwargs={"nat_port_map": False}))
         try:
             node.start()

@@ -35,7 +35,7 @@ knows; validators that ask the same miners and start on the shared round clock j
 the miners they query, which is what the sandbox relies on.
 
 Everything here is a pure function of bytes and names; the averager's ``rpc_join_group``
-calls it after each accepted follower (dtrain/swarm/averaging.py).
+calls it after each accepted follower (dtrain/swarm/averaging/averager.py).
 """
 
 from __future__ import annotations

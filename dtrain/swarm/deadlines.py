@@ -1,4 +1,5 @@
-"""How long a round may take: one formula, used by the validator, the miner and the averager.
+"""How long a round may take: one formula, used by the validator, the miner and the averager
+(it lives in swarm/ because the averager's settings need it, and swarm sits below the neurons).
 
 A round is matchmaking (hivemind waits ``matchmaking_time`` for peers, and retries a
 few times when a group falls apart) followed by the butterfly all-reduce. The validator

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from dtrain.swarm.compat import BLOCKWISE_ERROR_BOUND, canonical_compression
+from dtrain.swarm.codecs import BLOCKWISE_ERROR_BOUND, canonical_compression
 from dtrain.training.fingerprint import range_sketch
 from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError
 
@@ -53,7 +53,7 @@ SKETCH_MARGIN = 4.0
 # in its normal range [6.1e-5, 65504], so rho = 4 * 2**-11 ~ 2e-3 is the rule's value, but values
 # below 6.1e-5 lose precision (below 6e-8 they vanish) and per-element gradients are often that
 # small, so fp16 keeps the measured-with-headroom 5e-3 and is not recommended for tiny gradients;
-# 8bit: dtrain's blockwise codec, eps = sqrt(63)/254 (dtrain.swarm.compat.BLOCKWISE_ERROR_BOUND);
+# 8bit: dtrain's blockwise codec, eps = sqrt(63)/254 (dtrain.swarm.codecs.BLOCKWISE_ERROR_BOUND);
 # 8bit-uniform / 8bit-quantile: hivemind's codecs have no bound (measured 0.48-0.78 on heavy-tailed
 # or sparse gradients), they get 8bit's tolerance so cheats are caught alike, and an honest peer
 # with such gradients can be excluded: experiments only.
@@ -152,7 +152,7 @@ class Commitment:
         return {"nonce": self.nonce, "work": self.report.to_wire(), "claims": self.claims.astype("<f4").tobytes()}
 
 
-# Why a peer of another epoch is refused (gather check; dtrain.swarm.averaging).
+# Why a peer of another epoch is refused (gather check; dtrain.swarm.averaging.group_rules).
 OTHER_EPOCH = "work committed under another epoch's nonce"
 
 

@@ -1,0 +1,303 @@
+"""dtrain's rules for a formed group: pure functions of what its members gathered.
+
+Every peer of a group receives every member's gather (``make_gather``) and applies these
+rules to it. They depend on nothing else, so all peers that agree on the model compute the
+same partition and the same verdicts, and a hostile member cannot make two honest peers
+disagree. No hivemind here: the averager (averager.py) runs them, the runner enforces them.
+
+* Model check (WRONG_MODEL). All peers use one matchmaking key per run, so a peer with a
+  different model still *joins* (and can be reported); every honest peer then gives it the
+  ``aux`` role: it owns no share and its parts are refused.
+* Weight cap. A sender's weight is ``min(claimed weight from its gather, cap)``, with the cap
+  (and per-peer caps) of the peer *applying* the rule; the weight on the wire is ignored.
+* Scale check. A weighted peer whose announced norm is out of scale with the weighted
+  majority owns no share and adds nothing (like a wrong model).
+* Work commitments (contribution.py). A weighted peer whose commitment does not bind its
+  contribution to its work report is excluded; a peer whose group committed under another
+  epoch's nonce sits the round out.
+* The round report: each member's outcome from this peer's view.
+
+Roles are plain strings (``node``, ``client``, ``aux``); hivemind's AveragingMode appears only
+in the wall (dtrain/swarm/hivemind_internals/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from dtrain.swarm.averaging.assembly import EXPECT_KEY
+from dtrain.swarm.records import Outcome
+
+GATHER_VERSION = 1
+NODE, CLIENT, AUX = "node", "client", "aux"
+
+
+def schema_hash(tensors: Sequence[Any]) -> str:
+    """Shapes and dtypes of the averaged tensors, in order (not values)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:32]
+
+
+def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, norm: float, max_norm_ratio: float,
+                peer_caps: Optional[dict] = None, aggregation: str, compression: str, require_commitments: bool,
+                commitment: Optional[dict] = None, expect: Optional[list] = None) -> dict:
+    """What this peer tells its group about itself (each key is read by a rule below)."""
+    gather = dict(v=GATHER_VERSION, fp=str(fingerprint), schema=schema, w=float(weight), cap=float(cap),
+                  norm=norm, ratio=float(max_norm_ratio),
+                  caps={str(k): float(v) for k, v in (peer_caps or {}).items()
+                        if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0},
+                  agg=aggregation, comp=compression, req=bool(require_commitments))
+    if commitment is not None:
+        gather["commit"] = commitment
+    if expect:
+        # The leader forms the group as soon as all of these joined instead of waiting out its
+        # matchmaking window (assembly.py); missing ones cost the window.
+        gather[EXPECT_KEY] = expect
+    return gather
+
+
+def scale_check(users, compatible, claimed, ratio: float) -> tuple[list[float], set[int]]:
+    """Announced norms, and the peers whose norm is out of scale with the weighted majority.
+
+    The reference is the lower median over compatible peers that bring weight (a validator's
+    zeros do not count), so a minority cannot drag it up; with two peers it is the smaller.
+    """
+    norms = []
+    for user in users:
+        n = user.get("norm") if isinstance(user, dict) else None
+        norms.append(float(n) if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 else math.inf)
+    if ratio <= 0:
+        return norms, set()
+    weighted = sorted(norms[i] for i in range(len(users)) if compatible[i] and claimed[i] > 0 and norms[i] < math.inf)
+    if not weighted:
+        return norms, set()
+    reference = weighted[(len(weighted) - 1) // 2]
+    bad = {i for i in range(len(users)) if compatible[i] and claimed[i] > 0
+           and (norms[i] == math.inf or (reference > 0 and norms[i] > ratio * reference))}
+    return norms, bad
+
+
+@dataclass
+class GroupPlan:
+    """Who does what in a group, from this peer's view (all lists indexed like ``peer_ids``)."""
+
+    peer_ids: list[str]
+    me: int
+    mine: dict  # this peer's own gather
+    roles: list[str]
+    claimed: list[float]  # weight each member claimed
+    used: list[float]  # weight this peer gives it (capped; 0 once excluded)
+    compatible: list[bool]  # same model and tensor schema as this peer
+    norms: list[float]
+    out_of_scale: set[int] = field(default_factory=set)
+    unbound: dict[int, str] = field(default_factory=dict)  # index -> why its commitment was refused
+    commitments: Optional[dict] = None  # index -> Commitment; None when this peer runs without them
+
+    def exclude(self, i: int) -> None:
+        """Like a wrong model: no share, and its values are never added."""
+        self.used[i], self.roles[i] = 0.0, AUX
+
+    @property
+    def senders(self) -> list[int]:
+        return [i for i, role in enumerate(self.roles) if role != AUX]
+
+    @property
+    def sender_weights(self) -> list[float]:
+        return [self.used[i] for i in self.senders]
+
+    @property
+    def sender_norms(self) -> list[float]:
+        return [self.norms[i] for i in self.senders]
+
+    @property
+    def max_norm(self) -> float:
+        """An average is never larger than the largest contribution: a bound on a liar's reducer."""
+        return max(self.sender_norms, default=0.0)
+
+    @property
+    def sender_claims(self) -> Optional[list]:
+        if self.commitments is None:
+            return None
+        return [self.commitments[i].claims if i in self.commitments else None for i in self.senders]
+
+    @property
+    def claims_nonce(self) -> str:
+        return self.mine["commit"]["nonce"] if self.commitments is not None else ""
+
+    @property
+    def robust(self) -> bool:
+        return self.mine.get("agg") == "centered_clip"
+
+    @property
+    def receives(self) -> bool:
+        """Whether this peer takes part in the butterfly (and gets the average)."""
+        return self.roles[self.me] != AUX
+
+    def download_bandwidths(self, bandwidths: Sequence[Optional[float]]) -> list:
+        """What load balancing sees: only nodes reduce a share."""
+        return [bw if role == NODE else 0.0 for bw, role in zip(bandwidths, self.roles)]
+
+    def work_reports(self) -> dict:
+        return {self.peer_ids[i]: c.report for i, c in (self.commitments or {}).items()}
+
+
+def plan_group(peer_ids: Sequence[str], me: int, users: Sequence[Any], roles: Sequence[Optional[str]]) -> GroupPlan:
+    """The model check, the weight caps and the scale check over a group's gathers.
+
+    ``roles`` are what each member announced (None: a mode id hivemind does not know, which is
+    an error only for a member that passes the model check).
+    """
+    mine = users[me]
+    cap = float(mine["cap"])
+    # Per-peer limits (e.g. 0 for a miner that failed verification) override the default cap.
+    peer_caps = mine.get("caps") if isinstance(mine.get("caps"), dict) else {}
+    plan_roles, claimed, used, compatible = [], [], [], []
+    for i, (user, role) in enumerate(zip(users, roles)):
+        ok = (isinstance(user, dict) and user.get("v") == GATHER_VERSION and user.get("fp") == mine["fp"]
+              and user.get("schema") == mine["schema"])
+        compatible.append(ok)
+        w = user.get("w", 0.0) if isinstance(user, dict) else 0.0
+        w = float(w) if isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 else 0.0
+        claimed.append(w)
+        limit = peer_caps.get(str(peer_ids[i]), cap)
+        used.append(min(w, float(limit)) if ok else 0.0)
+        if ok and role is None:
+            raise ValueError(f"peer {peer_ids[i]} announced an unknown averaging mode")
+        plan_roles.append(role if ok else AUX)
+    norms, out_of_scale = scale_check(users, compatible, claimed, float(mine.get("ratio", 0.0) or 0.0))
+    plan = GroupPlan(list(map(str, peer_ids)), me, mine, plan_roles, claimed, used, compatible, norms, out_of_scale)
+    for i in out_of_scale:
+        plan.exclude(i)
+    return plan
+
+
+def check_commitments(users, mine: dict, compatible, claimed, num_parts: int) -> tuple[Optional[dict], dict]:
+    """Parse every peer's work commitment and decide which weighted peers are not bound by one.
+
+    Returns ``(commitments, unbound)``: ``commitments`` maps the index of each peer whose
+    commitment parsed to its Commitment (None overall when this peer runs without them),
+    ``unbound`` maps peer index to the reason its contribution is refused. ``num_parts``: how
+    many parts the averaged vector has (contribution.PartLayout).
+    """
+    from dtrain.swarm.averaging.contribution import OTHER_EPOCH, Commitment, binding_verdict
+    from dtrain.training.work import WorkReportError
+
+    own = mine.get("commit")
+    if not isinstance(own, dict):
+        return None, {}
+    required = bool(mine.get("req"))
+    try:  # every peer's report must be of the kind ours is: one averaging mode per swarm
+        from dtrain.training.trajectory import parse_report
+
+        kind = type(parse_report(own.get("work")))
+    except WorkReportError:
+        kind = None
+    commitments, unbound = {}, {}
+    for i, user in enumerate(users):
+        if not compatible[i]:
+            continue
+        data = user.get("commit") if isinstance(user, dict) else None
+        parsed = None
+        reason = ""
+        if data is not None:
+            try:
+                parsed = Commitment.parse(data, num_parts, kind=kind)
+                commitments[i] = parsed
+            except WorkReportError as exc:
+                reason = f"malformed work commitment: {exc}"
+        if claimed[i] > 0 and (required or data is not None):
+            reason = reason or binding_verdict(parsed, weight=claimed[i], nonce=own.get("nonce"),
+                                               compression=str(mine.get("comp", "none")))
+        elif parsed is not None and parsed.nonce != own.get("nonce"):
+            # A weight-0 peer (a validator) of another epoch brings nothing to average but
+            # would reduce a share under its own epoch's rules: it owns none.
+            reason = OTHER_EPOCH
+        if reason:
+            unbound[i] = reason
+    return commitments, unbound
+
+
+def apply_commitments(plan: GroupPlan, commitments: Optional[dict], unbound: dict) -> None:
+    plan.commitments, plan.unbound = commitments, dict(unbound)
+    for i in unbound:
+        plan.exclude(i)
+
+
+def out_of_step(plan: GroupPlan) -> Optional[str]:
+    """Why this peer must sit the round out, or None.
+
+    The group has no epoch in its matchmaking key, so a peer that is late (or early) can land
+    in another epoch's group. When most of the others committed under another nonce, this peer
+    is the odd one: everyone else gives it no share, and its record says so instead of
+    averaging something of another epoch.
+    """
+    commitments = plan.commitments or {}
+    others = [i for i in commitments if i != plan.me]
+    elsewhere = [i for i in others if commitments[i].nonce != plan.mine["commit"]["nonce"]]
+    if others and 2 * len(elsewhere) > len(others):
+        return (f"this peer is at another epoch than the group ({len(elsewhere)} of {len(others)} peers "
+                "committed under another epoch's nonce)")
+    return None
+
+
+def sit_out_report(plan: GroupPlan, round_id: str, reason: str) -> dict:
+    """The report of a round this peer sat out: the others give it no share and expect nothing from it."""
+    return dict(
+        round_id=round_id, group=list(plan.peer_ids),
+        peers=[dict(peer_id=p, outcome=Outcome.FAIL.value, weight_claimed=plan.claimed[i], weight_used=0.0,
+                    reason=plan.unbound.get(i, "")) for i, p in enumerate(plan.peer_ids) if i != plan.me],
+        bytes_sent=0, bytes_received=0, fraction_averaged=0.0, total_weight=0.0, allreduce_s=0.0,
+        out_of_step=reason, work_reports=plan.work_reports())
+
+
+def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), banned=(),
+                 failed_reducers: Optional[dict] = None, bytes_sent: int = 0, bytes_received: int = 0,
+                 total_size: int = 0, failed_size: int = 0) -> dict:
+    """Each member's outcome and the round's figures, from this peer's view.
+
+    ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
+    a part larger than announced / a part contradicting its commitment); ``banned``: senders
+    banned for any reason; ``failed_reducers``: reducer -> why its share stayed local. Peer ids.
+    """
+    failed_reducers = failed_reducers or {}
+    me = plan.peer_ids[plan.me]
+    peers = []
+    for i, peer in enumerate(plan.peer_ids):
+        reason = ""
+        if not plan.compatible[i]:
+            outcome, reason = Outcome.WRONG_MODEL, "model fingerprint or tensor schema differs"
+        elif i in plan.out_of_scale:
+            outcome, reason = Outcome.FAIL, f"out-of-scale contribution (norm {plan.norms[i]:.3g})"
+        elif i in plan.unbound:
+            outcome, reason = Outcome.FAIL, plan.unbound[i]
+        elif peer == me:
+            outcome = Outcome.SUCCESS
+        elif peer in contradicted:
+            outcome, reason = Outcome.FAIL, "sent a part that contradicts its commitment"
+        elif peer in too_large:
+            outcome, reason = Outcome.FAIL, "sent a part larger than its announced norm"
+        elif peer in rejected:
+            outcome, reason = Outcome.FAIL, "sent non-finite values"
+        elif peer in banned:
+            outcome, reason = Outcome.FAIL, "banned as sender (timeout, disconnect or protocol error)"
+        elif peer in failed_reducers:
+            outcome, reason = Outcome.FAIL, "did not deliver its averaged part: " + failed_reducers[peer]
+        else:
+            outcome = Outcome.SUCCESS
+        peers.append(dict(peer_id=peer, outcome=outcome.value, weight_claimed=plan.claimed[i],
+                          weight_used=0.0 if outcome != Outcome.SUCCESS else plan.used[i], reason=reason))
+    total = max(total_size, 1)
+    return dict(
+        round_id=round_id,
+        group=list(plan.peer_ids),
+        peers=peers,
+        bytes_sent=int(bytes_sent),
+        bytes_received=int(bytes_received),
+        fraction_averaged=0.0 if not plan.receives else 1.0 - failed_size / total,
+        total_weight=float(sum(p["weight_used"] for p in peers)),
+    )

@@ -1,0 +1,205 @@
+"""The part reducer: how this peer combines the parts of its share that the senders send.
+
+It keeps the contract of hivemind's TensorPartReducer, which the butterfly runner drives
+(``accumulate_part``, ``on_sender_failed``, ``finalize``, ``finished``, ``num_parts``: parts
+are reduced in order, each once every sender still in the round has sent it), and adds
+dtrain's rules:
+
+* Receiver-side weights. ``sender_weights`` are fixed at group formation (already capped,
+  group_rules.py); the weight a sender puts on the wire is never read.
+* Checks before anything is added. A part with NaN/Inf, or larger than its sender's
+  announced norm (``within_norm``), bans that sender from this part on; its values are
+  never added. The runner bans a part that contradicts its commitment the same way (``reject``).
+* Robust aggregation. With ``robust``, a part is the weighted CenteredClip of the senders'
+  parts (centered_clip.py), computed in a worker thread so the loop keeps moving bytes.
+* Edge cases. If every contributor of a part has weight 0 (only validators left) the part
+  is their plain mean; if nobody contributed it is NaN, which makes every receiver keep its
+  local values for that part.
+
+No hivemind here; ``SenderBanned`` is what the runner catches to stop serving a sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Slack for the norm bounds: the wire codec can make a decoded part a little larger than the
+# values sent. 8-bit (codecs.BlockwiseAbsmax8Bit) adds at most eps = 0.031 relative, fp16 2**-11,
+# hivemind's codebook quantizers nothing (a codebook of bucket means only shrinks a vector). An
+# averaged part passes the codec twice (senders' parts, then the result): (1 + eps)^2 = 1.064 < 1.10.
+NORM_SLACK = 1.10
+
+
+def within_norm(norm: float, bound: float) -> bool:
+    """Whether a part (or an average) of L2 norm ``norm`` respects a bound of ``bound``."""
+    return norm <= bound * NORM_SLACK + 1e-6
+
+
+def part_check(part: torch.Tensor) -> tuple[bool, float]:
+    """``(all values finite, L2 norm in float64)`` of a part, in one pass over it.
+
+    For float32 (or narrower) values the float64 sum of squares cannot overflow, so the norm
+    is finite exactly when every value is: one pass answers both checks (torch.isfinite(...).all()
+    alone costs ~10x the float64 norm). Wider dtypes keep the explicit test. Called in the
+    thread that deserialises a part, off the event loop.
+    """
+    norm = float(part.double().norm())
+    if part.element_size() <= 4:
+        return math.isfinite(norm), norm
+    return bool(torch.isfinite(part).all()), norm
+
+
+class SenderBanned(Exception):
+    """A sender was refused (a failed check, or banned by the runner): stop serving it."""
+
+
+class ReducerFinished(Exception):
+    """A part arrived after the reducer finished (the round ended or failed)."""
+
+
+class CheckedReducer:
+    """Reduces this peer's share with receiver-side weights, checks, and optional CenteredClip."""
+
+    def __init__(self, part_shapes, num_senders: int, sender_weights: Sequence[float],
+                 sender_norms: Optional[Sequence[float]] = None, robust: bool = False):
+        self.part_shapes, self.num_senders, self.num_parts = part_shapes, num_senders, len(part_shapes)
+        self.sender_weights = [float(w) for w in sender_weights]
+        self.sender_norms = [float(n) for n in sender_norms] if sender_norms is not None else None
+        self.robust = robust
+        self.rejected: set[int] = set()  # senders refused by a check, whatever the check
+        self.too_large: set[int] = set()
+        self.contradicted: set[int] = set()
+        self.current_part_index = -1  # the part being reduced
+        self.current_part_accumulated_from = 0  # senders whose current part is in
+        self.accumulator: Optional[torch.Tensor] = None  # weighted sum of the current part
+        self.denominator = 0.0  # total weight of the current part
+        self.current_part_future: asyncio.Future = asyncio.Future()
+        self.finished = asyncio.Event()
+        self.num_parts_received = [0] * num_senders
+        self.sender_failed_after = [math.inf] * num_senders  # first part a banned sender no longer sends
+        self.num_current_senders = num_senders
+        self.reset_accumulators()
+
+    def reset_accumulators(self) -> None:
+        """Move on to the next part (or finish after the last)."""
+        assert self.current_part_accumulated_from == self.num_current_senders or self.current_part_index == -1
+        if self.current_part_index >= self.num_parts - 1:
+            self.finalize()
+        else:
+            self.current_part_index += 1
+            self.current_part_accumulated_from = 0
+            self.current_part_future = asyncio.Future()
+            self.num_current_senders = sum(self.current_part_index < failed for failed in self.sender_failed_after)
+            self.accumulator = torch.zeros(self.part_shapes[self.current_part_index])
+            self.denominator = 0.0
+            # unweighted running sum: used only if every contributor of a part has weight 0
+            # (e.g. only validators left), where the weighted mean would be 0/0
+            self.plain_sum = torch.zeros(self.part_shapes[self.current_part_index])
+        # with robust aggregation the senders' parts are kept until the last one arrives
+        self.received_parts: list[tuple[torch.Tensor, float]] = []
+
+    def reject(self, sender_index: int, reason_set: set, message: str):
+        """Ban a sender whose part failed a check; its values are never added."""
+        self.rejected.add(sender_index)
+        reason_set.add(sender_index)
+        self.on_sender_failed(sender_index)
+        raise SenderBanned(f"sender {sender_index} {message}")
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0, check: Optional[tuple[bool, float]] = None):
+        """Add a sender's part, wait for the others, return the combined part.
+
+        ``weight`` is ignored (the sender's weight from the gather is used); ``check`` is
+        :func:`part_check` of the part when the caller computed it off the loop.
+        """
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        while part_index > self.current_part_index:
+            # parts are reduced in order: wait until the previous ones are done
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise ReducerFinished(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != math.inf:
+            raise SenderBanned(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        finite, norm = part_check(tensor_part) if check is None else check
+        if not finite:
+            self.reject(sender_index, set(), "sent non-finite values")  # not counted as received
+        if self.sender_norms is not None and not within_norm(norm, self.sender_norms[sender_index]):
+            self.reject(sender_index, self.too_large, "sent a part larger than its announced norm")
+        self.num_parts_received[sender_index] += 1
+        current_part_future = self.current_part_future
+        w = self.sender_weights[sender_index]
+        if self.robust:
+            self.received_parts.append((tensor_part, w))
+        else:
+            self.accumulator.add_(tensor_part, alpha=w)
+        self.plain_sum.add_(tensor_part)
+        self.current_part_accumulated_from += 1
+        self.denominator += w
+        self.check_current_part_finished()
+        result = await current_part_future
+        if isinstance(result, asyncio.Future):
+            # robust aggregation runs in a worker thread (check_current_part_finished): the part
+            # index has moved on already, and this is the combination still being computed
+            result = await result
+        return result
+
+    def on_sender_failed(self, sender_index: int) -> None:
+        """Leave a sender out of every part it has not sent yet.
+
+        Idempotent: the runner may ban the same sender again from another code path, and a
+        second call would decrement the current part's sender count twice.
+        """
+        if self.sender_failed_after[sender_index] != math.inf:
+            return
+        self.sender_failed_after[sender_index] = self.num_parts_received[sender_index]
+        if self.finished.is_set():
+            return
+        if self.current_part_index == self.num_parts_received[sender_index]:
+            self.num_current_senders -= 1
+            self.check_current_part_finished()
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            if self.robust and self.denominator > 0:
+                from dtrain.swarm.averaging.centered_clip import centered_clip
+
+                # CenteredClip costs milliseconds per part: run it in a worker thread so the loop
+                # keeps moving bytes and the next part accumulates meanwhile. The part's future
+                # resolves now, with the future of the combination (accumulate_part awaits it):
+                # senders of later parts wake up at once, and finalize() after the last part
+                # cancels nothing that is still being computed.
+                parts, weights = zip(*self.received_parts)
+                result = asyncio.get_event_loop().run_in_executor(None, centered_clip, parts, weights)
+            elif self.denominator > 0:
+                result = self.accumulator.div_(self.denominator)
+            elif self.current_part_accumulated_from > 0:
+                result = self.plain_sum.div_(self.current_part_accumulated_from)
+            else:
+                # nobody contributed: NaN makes every receiver keep its local values for this part
+                result = torch.full_like(self.accumulator, float("nan"))
+            self.current_part_future.set_result(result)
+            self.reset_accumulators()
+
+    def finalize(self) -> None:
+        if self.finished.is_set():
+            return
+        self.current_part_future.cancel()
+        self.accumulator = None
+        self.finished.set()
+        if self.num_parts and self.num_senders:
+            expected, received = self.num_parts * self.num_senders, sum(self.num_parts_received)
+            if expected != received:
+                logger.warning("Reducer: received %.1f%% of input tensors", received / expected * 100)

@@ -1,0 +1,284 @@
+"""GradientSwarm: the caller's side of gradient averaging (runs in the neuron's process).
+
+One GradientSwarm per model: :meth:`GradientSwarm.run_round` puts this peer's tensors and its
+gather (group_rules.make_gather) into the averager process (averager.py), waits for the round,
+and turns the result into a :class:`~dtrain.swarm.records.RoundRecord` from this peer's view.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from dtrain.swarm.averaging.assembly import expect_list
+from dtrain.swarm.averaging.group_rules import make_gather, schema_hash
+from dtrain.swarm.averaging.settings import AveragingConfig
+from dtrain.swarm.codecs import make_compression
+from dtrain.swarm.records import Outcome, PeerResult, RoundLog, RoundRecord
+
+
+class Interrupted(Exception):
+    """A wait was abandoned because the caller's stop event was set."""
+
+
+# How often a blocked wait looks at its stop event: short enough that SIGINT ends a neuron
+# promptly, long enough to cost nothing.
+_STOP_POLL_S = 0.25
+
+
+def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Optional[float] = None):
+    """``future.result(timeout_s)``, but cancel the future and raise :class:`Interrupted` once ``stop`` is set.
+
+    hivemind's futures block in a lock that a signal does not wake; a neuron that got SIGINT
+    mid-round would otherwise sit out the whole matchmaking and all-reduce timeouts before it
+    could save its checkpoint and leave. Raises ``concurrent.futures.TimeoutError`` (and
+    cancels the future) after ``timeout_s``.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if stop is not None and stop.is_set():
+            future.cancel()
+            raise Interrupted("stopped while waiting for the swarm")
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            future.cancel()
+            raise FutureTimeout(f"no answer within {timeout_s:g} s")
+        wait_s = _STOP_POLL_S if remaining is None else min(_STOP_POLL_S, remaining)
+        try:
+            return future.result(timeout=wait_s)
+        except FutureTimeout:
+            if future.done():  # the future's own outcome is a timeout (Python 3.11: one class)
+                raise
+
+
+class GradientSwarm:
+    """One averaging participant. Create once per model; call :meth:`run_round` per global step.
+
+    ``templates`` fixes the order, shapes and dtypes of the tensors every round averages
+    (e.g. ``[p.grad for p in model.parameters()]`` or zeros shaped like them).
+    ``state_provider`` (optional) returns ``(metadata, tensors)`` for peers catching up.
+    """
+
+    def __init__(
+        self,
+        dht,
+        templates: Sequence[torch.Tensor],
+        fingerprint: str,
+        config: Optional[AveragingConfig] = None,
+        *,
+        state_provider: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
+        mode: str = "gradient",
+    ):
+        self.dht = dht
+        self.config = config or AveragingConfig()
+        self.fingerprint = str(fingerprint)
+        self.mode = mode
+        self._buffers = [torch.zeros_like(t, device="cpu").float() for t in templates]
+        self._schema = schema_hash(self._buffers)
+        self._log = RoundLog(self.config.log_path) if self.config.log_path else None
+        self.records: list[RoundRecord] = []
+        self._step = None
+        self._layout = None
+        cfg = self.config
+        self._averager = self._new_averager(
+            self._buffers,
+            dht,
+            state_provider=state_provider,
+            start=True,
+            prefix=cfg.prefix,
+            target_group_size=cfg.target_group_size,
+            min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.min_matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            sender_timeout=cfg.sender_timeout_s,
+            reducer_timeout=cfg.reducer_timeout_s,
+            next_chunk_timeout=cfg.sender_timeout_s,
+            compression=make_compression(cfg.compression),
+            part_size_bytes=cfg.part_size_bytes,
+            bandwidth=cfg.bandwidth,
+            client_mode=cfg.client_mode,
+            allow_state_sharing=cfg.allow_state_sharing if not cfg.client_mode else False,
+            declare_state_period=cfg.declare_state_period_s,
+        )
+
+    def _new_averager(self, buffers, dht, **kwargs):
+        """Start the averager process (tests substitute one that misbehaves: tests/faults.py)."""
+        from dtrain.swarm.averaging.averager import SwarmAverager
+
+        return SwarmAverager(buffers, dht, **kwargs)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    @property
+    def stage(self) -> Optional[str]:
+        """Stage of the current/last round: LOOKING_FOR_GROUP, RUNNING_ALLREDUCE, FINISHED... (None before any)."""
+        step = self._step
+        return None if step is None else step.stage.name
+
+    def run_round(
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        cap: float,
+        *,
+        expected_peers: Sequence[str] = (),
+        tokens: int = 0,
+        timeout_s: Optional[float] = None,
+        peer_caps: Optional[dict[str, float]] = None,
+        stop: Optional[threading.Event] = None,
+        work=None,
+        work_nonce: Optional[str] = None,
+    ) -> RoundRecord:
+        """Average ``tensors`` in place with whoever matchmakes; return this peer's RoundRecord.
+
+        ``weight`` is the number of samples accumulated (0 for a validator), ``cap`` the largest
+        weight this peer accepts from anyone, and ``peer_caps`` (peer id -> limit) tighter limits for
+        particular peers, such as the weight a validator has verified for each miner. On failure
+        to form a group the tensors keep their local values and the record carries ``error``.
+        ``expected_peers`` (peer ids) that did not join are reported NON_PARTICIPATING or
+        NOT_ALIVE; they also go in the gather, so that a peer without weight (a validator)
+        lets its group form as soon as all of them joined (assembly.py). Setting ``stop`` (a
+        neuron shutting down) abandons the round at once: the tensors keep their local values
+        and the record's error says it was interrupted.
+
+        ``work`` (a WorkReport) and ``work_nonce`` commit this contribution to the pages it came
+        from (contribution.py); a peer without weight (a validator) passes an empty report. The
+        record's ``work_reports`` then holds every committed report of the group.
+        """
+        if len(tensors) != len(self._buffers):
+            raise ValueError(f"expected {len(self._buffers)} tensors, got {len(tensors)}")
+        for i, (t, b) in enumerate(zip(tensors, self._buffers)):
+            if tuple(t.shape) != tuple(b.shape):
+                raise ValueError(f"tensor #{i} has shape {tuple(t.shape)}, expected {tuple(b.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                # an honest peer never ships NaN/Inf; refuse locally instead of being banned remotely
+                raise ValueError(f"tensor #{i} has non-finite values; skip this round or fix the step")
+        if not (math.isfinite(weight) and weight >= 0 and math.isfinite(cap) and cap >= 0):
+            raise ValueError("weight and cap must be finite and >= 0")
+        cfg = self.config
+        with self._averager.get_tensors() as bufs:
+            for b, t in zip(bufs, tensors):
+                b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
+        norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+        gather = make_gather(
+            fingerprint=self.fingerprint, schema=self._schema, weight=weight, cap=cap, norm=norm,
+            max_norm_ratio=cfg.max_norm_ratio, peer_caps=peer_caps, aggregation=cfg.aggregation,
+            compression=cfg.compression, require_commitments=cfg.require_commitments,
+            commitment=self._commitment(tensors, work, work_nonce) if work_nonce is not None else None,
+            expect=expect_list(expected_peers) if expected_peers else None)
+        started = time.time()
+        t0 = time.monotonic()
+        result, error = None, ""
+        try:
+            self._step = self._averager.step(
+                gather=gather,
+                weight=float(min(weight, cap)),
+                timeout=timeout_s if timeout_s is not None else cfg.matchmaking_timeout_s,
+                allow_retries=True,
+                wait=False,
+            )
+            result = wait_unless_stopped(self._step, stop)
+            if result is None:
+                error = "no group formed"
+        except Exception as e:  # hivemind surfaces matchmaking failures as various exception types
+            error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
+        record = RoundRecord(
+            round_id="",
+            local_peer_id=self.peer_id,
+            started_at=started,
+            duration_s=time.monotonic() - t0,
+            num_elements=sum(b.numel() for b in self._buffers),
+            model_fingerprint=self.fingerprint,
+            compression=cfg.compression,
+            mode=self.mode,
+            tokens=int(tokens),
+        )
+        if error or not isinstance(result, dict) or "report" not in result:
+            record.error = error or "averager returned no report"
+            record.group = [self.peer_id]
+            record.peers = [PeerResult(self.peer_id, Outcome.FAIL, float(weight), 0.0, record.error)]
+        else:
+            self._fill(record, result["report"], tensors)
+        missing = [p for p in expected_peers if p not in record.group]
+        if missing:
+            alive = self._reachable(missing)
+            for p in missing:
+                outcome = Outcome.NON_PARTICIPATING if alive.get(p) else Outcome.NOT_ALIVE
+                record.peers.append(PeerResult(p, outcome, reason="did not join the group"))
+        self.records.append(record)
+        if self._log is not None:
+            self._log.append(record)
+        return record
+
+    def _fill(self, record: RoundRecord, rep: dict, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the averager's report into ``record``, and the average into ``tensors``."""
+        record.round_id = rep["round_id"]
+        record.group = list(rep["group"])
+        record.peers = [PeerResult.from_dict(p) for p in rep["peers"]]
+        record.bytes_sent = rep["bytes_sent"]
+        record.bytes_received = rep["bytes_received"]
+        record.fraction_averaged = rep["fraction_averaged"]
+        record.total_weight = rep["total_weight"]
+        record.allreduce_s = rep["allreduce_s"]
+        record.work_reports = dict(rep.get("work_reports") or {})
+        if rep.get("out_of_step"):
+            record.error = rep["out_of_step"]  # nothing of this group is ours to apply
+            return
+        with self._averager.get_tensors() as bufs:
+            for b, t in zip(bufs, tensors):
+                t.copy_(b.to(device=t.device, dtype=t.dtype))
+
+    def _commitment(self, tensors, work, nonce: str) -> dict:
+        from dtrain.swarm.averaging.contribution import Commitment, PartLayout, compute_claims
+        from dtrain.training.work import WorkReport
+
+        compression = make_compression(self.config.compression)
+        if self._layout is None:
+            self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
+        claims = compute_claims([t.detach().float().cpu() for t in tensors], self._layout, nonce, compression)
+        report = work if work is not None else WorkReport(epoch=0)
+        return Commitment(nonce=nonce, report=report, claims=claims).to_gather()
+
+    def _reachable(self, peer_ids: Sequence[str], timeout_s: float = 3.0) -> dict[str, bool]:
+        from dtrain.swarm.node import _ping_peer_ids
+
+        try:
+            return self.dht.run_coroutine(functools.partial(_ping_peer_ids, list(peer_ids), timeout_s))
+        except Exception:
+            return {p: False for p in peer_ids}
+
+    def set_state_priority(self, priority: float) -> None:
+        """Peers catching up download from the highest priority; neurons use their epoch."""
+        if self._averager is not None:
+            self._averager.state_sharing_priority = float(priority)
+
+    def load_state_from_peers(self, timeout_s: Optional[float] = 30.0, stop: Optional[threading.Event] = None):
+        """Download ``(metadata, tensors)`` from a peer that shares state (None if nobody answered).
+
+        Raises :class:`Interrupted` when ``stop`` is set before the download finishes.
+        """
+        future = self._averager.load_state_from_peers(wait=False, timeout=timeout_s)
+        return wait_unless_stopped(future, stop, timeout_s)
+
+    def shutdown(self) -> None:
+        if self._averager is not None:
+            try:
+                if self._averager.is_alive():
+                    self._averager.shutdown()
+            finally:
+                self._averager = None
+
+    def __enter__(self) -> "GradientSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,218 @@
+"""hivemind's AllReduceRunner with dtrain's reducer, byte counts and hooks (dtrain/swarm/averaging/runner.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Optional
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor
+
+
+class ButterflyRunner(AllReduceRunner):
+    """hivemind's AllReduceRunner with dtrain's reducer, byte counts and hooks.
+
+    Differences from hivemind's: every reducer returns the averaged part itself, not a delta
+    (local + delta differs from the average by rounding, differently on every peer, and the
+    protocol needs bit-identical results); a failed reducer's share therefore falls back to our
+    raw local part. Subclasses implement :meth:`new_reducer` and :meth:`serve_stream`, and may
+    implement :meth:`check_averaged_part`, :meth:`inspect_part`, :meth:`messages_to_reducer`,
+    :meth:`serialized_average` and :meth:`on_reducer_failed`.
+    """
+
+    # After its last averaged part, keep a sender's stream open this long for the sender to hang
+    # up (CountingStub); None closes at once, as hivemind does.
+    reply_linger_s: Optional[float] = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.failed_reducers: dict[str, str] = {}  # reducer peer id -> why its share stayed local
+        old = self.tensor_part_reducer  # hivemind's: retired quietly, replaced by ours (same shapes)
+        old.finished.set()
+        old.current_part_future.cancel()
+        self.tensor_part_reducer = self.new_reducer(tuple(p.shape for p in self.parts_for_local_averaging),
+                                                    len(self.sender_peer_ids))
+        container = self.tensor_part_container
+        register = container.register_processed_part
+
+        def register_checked(peer_index: int, part_index: int, part: torch.Tensor):
+            # raising here makes hivemind fall back to local values for that reducer's share
+            problem = self.check_averaged_part(peer_index, part_index, part)
+            if problem:
+                raise AllreduceException(problem)
+            return register(peer_index, part_index, part)
+
+        container.register_processed_part = register_checked
+        container.return_deltas = False
+
+    # -- hooks -----------------------------------------------------------------------------
+    def new_reducer(self, part_shapes: tuple, num_senders: int):
+        """The reducer of this peer's share (the interface of hivemind's TensorPartReducer)."""
+        raise NotImplementedError
+
+    def serve_stream(self, sender_index: int, parts: AsyncIterator) -> AsyncIterator:
+        """Reduce a sender's parts as they arrive: ``parts`` yields ``(part, compression id,
+        inspect_part's verdict)``; yield ``(averaged part, compression id)`` for each part reduced,
+        and stop to refuse the sender (it is then banned)."""
+        raise NotImplementedError
+
+    def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor) -> Any:
+        """Worker thread, as a received part is decoded: checks that should not run on the loop."""
+        return None
+
+    def check_averaged_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> Optional[str]:
+        """Why an averaged part (ours or a reducer's) must not be applied; None to apply it."""
+        return None
+
+    def messages_to_reducer(self, peer_index: int, messages: AsyncIterator) -> AsyncIterator:
+        """The wire messages we send to a reducer (tests inject faults here)."""
+        return messages
+
+    def serialized_average(self, part_index: int, averaged: torch.Tensor, compression_type) -> Any:
+        """An awaitable of the averaged part's wire form."""
+        return asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, averaged, compression_type)
+
+    def on_reducer_failed(self, peer_id: str, reason: str) -> None:
+        self.failed_reducers.setdefault(peer_id, reason)
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def reducer(self):
+        """This peer's reducer (what new_reducer built)."""
+        return self.tensor_part_reducer
+
+    @property
+    def wire_compression(self):
+        return self.tensor_part_container.compression
+
+    @property
+    def first_part(self) -> int:
+        """Global index of the first part this peer reduces (parts go to reducers in order)."""
+        me = self.ordered_peer_ids.index(self.peer_id)
+        return sum(self.tensor_part_container.num_parts_by_peer[:me])
+
+    @property
+    def sender_ids(self) -> list[str]:
+        return [str(p) for p in self.sender_peer_ids]
+
+    def outcome(self) -> dict:
+        """What happened in this round, in plain values (for the round report)."""
+        container = self.tensor_part_container
+        return dict(banned={str(p) for p in self.banned_senders}, failed_reducers=dict(self.failed_reducers),
+                    bytes_sent=int(self.bytes_sent), bytes_received=int(self.bytes_received),
+                    total_size=int(container.total_size), failed_size=int(container.failed_size))
+
+    def as_received(self, part: torch.Tensor) -> torch.Tensor:
+        """What a remote sender decodes of ``part`` (the lossy compression round trip)."""
+        return deserialize_torch_tensor(serialize_torch_tensor(part, self.wire_compression.compression_type))
+
+    # -- client side -----------------------------------------------------------------------
+    async def reduce_own_share(self) -> None:
+        """Our own share: reduce locally, and keep exactly what remote senders will receive."""
+        peer_index = self.ordered_peer_ids.index(self.peer_id)
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        loop = asyncio.get_event_loop()
+        lossless = self.wire_compression.compression_type == runtime_pb2.NONE  # as_received is the part itself
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
+            received = averaged if lossless else await loop.run_in_executor(None, self.as_received, averaged)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, received)
+
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id == self.peer_id:
+            await self.reduce_own_share()
+            return
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except BaseException as e:
+            self.on_reducer_failed(str(peer_id), repr(e)[:200] or type(e).__name__)
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        async for msg in self.messages_to_reducer(peer_index, super()._generate_input_for_peer(peer_index)):
+            self.bytes_sent += msg.ByteSize()
+            yield msg
+
+    def _get_peer_stub(self, peer):
+        expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
+        return CountingStub(super()._get_peer_stub(peer), self, expected)
+
+    # -- server side -----------------------------------------------------------------------
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """Decode (and inspect) a sender's parts in a worker thread, prefetched while the previous
+        part waits for the other senders; serve_stream reduces them; reply with each average."""
+        served = 0
+
+        async def numbered():
+            index = 0
+            async for msg in stream:
+                yield index, msg
+                index += 1
+
+        def decode(item):
+            part_index, msg = item
+            part = deserialize_torch_tensor(msg.tensor_part)
+            return part, msg.tensor_part.compression, self.inspect_part(sender_index, part_index, part)
+
+        try:
+            parts = amap_in_executor(decode, numbered(), max_prefetch=self.tensor_part_container.prefetch)
+            async for averaged, part_compression in self.serve_stream(sender_index, parts):
+                served += 1
+                serialized = await self.serialized_average(served - 1, averaged, part_compression)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if served != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def rpc_aggregate_part(self, stream, context):
+        async def counted():
+            async for msg in stream:
+                self.bytes_received += msg.ByteSize()
+                yield msg
+
+        delivered = 0
+        async for reply in super().rpc_aggregate_part(counted(), context):
+            self.bytes_sent += reply.ByteSize()
+            delivered += reply.code == averaging_pb2.AVERAGED_PART
+            yield reply
+        if delivered < self.tensor_part_reducer.num_parts or self.reply_linger_s is None:
+            return  # refused or banned: it expects more and would otherwise wait its reducer timeout for our end
+        # Do not end the stream: the sender hangs up once it holds its last averaged part
+        # (CountingStub), which cancels this wait. Returning here would close our side while
+        # p2pd may still hold that last part, and the sender, now and then, lost it ("sent 31
+        # parts, but we expected 32") and kept its local values for this whole share.
+        await asyncio.sleep(self.reply_linger_s)
+
+
+class CountingStub:
+    """Wraps a hivemind stub: counts the bytes of the averaged parts we receive back, and hangs
+    up as soon as the last expected part is in (the reducer waits for that, see
+    ButterflyRunner.rpc_aggregate_part)."""
+
+    def __init__(self, stub, runner, expected_parts: int):
+        self._stub, self._runner, self._expected = stub, runner, expected_parts
+
+    async def rpc_aggregate_part(self, inputs):
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        runner, expected = self._runner, self._expected
+
+        async def counted():
+            received = 0
+            try:
+                async for msg in stream:
+                    runner.bytes_received += msg.ByteSize()
+                    yield msg
+                    if msg.code == averaging_pb2.AVERAGED_PART:
+                        received += 1
+                        if received >= expected:
+                            break
+            finally:
+                await stream.aclose()  # closes our end of the p2p stream
+
+        return counted()

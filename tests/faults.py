@@ -1,0 +1,76 @@
+"""Deliberate misbehaviour of a swarm peer, for tests: a slow, broken or lying sender.
+
+Production code has no fault switches. A faulty peer is built from the seams the real one
+offers: FaultySwarm starts a FaultyAverager (GradientSwarm._new_averager), whose runner is a
+FaultyRunner (SwarmAverager.runner_class / make_runner), which alters the wire messages it
+sends to other reducers (ButterflyRunner.messages_to_reducer). Everything else, its own share
+included, is the honest code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dtrain.swarm.averaging import GradientSwarm
+from dtrain.swarm.averaging.averager import SwarmAverager
+from dtrain.swarm.averaging.runner import CheckedRunner
+from dtrain.swarm.hivemind_internals import deserialize_part, serialize_part
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    send_delay_s: float = 0.0  # sleep before each part sent to another reducer (a slow peer)
+    send_nonfinite: bool = False  # send NaN/Inf instead of our values (a broken/cheating peer)
+    scale_parts: float = 1.0  # multiply sent parts after announcing the true norm (a lying poisoner)
+
+
+class FaultyRunner(CheckedRunner):
+    def __init__(self, *, fault: FaultInjection, **kwargs):
+        self.fault = fault
+        super().__init__(**kwargs)
+
+    async def messages_to_reducer(self, peer_index: int, messages):
+        fault = self.fault
+        async for msg in messages:
+            if fault.send_delay_s > 0:
+                await asyncio.sleep(fault.send_delay_s)
+            if fault.send_nonfinite:
+                part = deserialize_part(msg.tensor_part)
+                bad = torch.full_like(part, float("nan"))
+                bad.view(-1)[::2] = float("inf")
+                msg.tensor_part.CopyFrom(serialize_part(bad, msg.tensor_part.compression))
+            if fault.scale_parts != 1.0:
+                part = deserialize_part(msg.tensor_part)
+                msg.tensor_part.CopyFrom(serialize_part(part * fault.scale_parts, msg.tensor_part.compression))
+            yield msg
+
+
+class FaultyAverager(SwarmAverager):
+    runner_class = FaultyRunner
+
+    def __init__(self, *args, fault: FaultInjection, **kwargs):
+        self.fault = fault
+        super().__init__(*args, **kwargs)
+
+    def make_runner(self, *args, **kwargs):
+        return super().make_runner(*args, fault=self.fault, **kwargs)
+
+
+class FaultySwarm(GradientSwarm):
+    def __init__(self, *args, fault: FaultInjection, **kwargs):
+        self.fault = fault  # read by _new_averager, which GradientSwarm.__init__ calls
+        super().__init__(*args, **kwargs)
+
+    def _new_averager(self, buffers, dht, **kwargs):
+        return FaultyAverager(buffers, dht, fault=self.fault, **kwargs)
+
+
+def swarm(dht, templates, fingerprint, config=None, *, fault: Optional[FaultInjection] = None, **kwargs):
+    """A GradientSwarm, faulty when ``fault`` is given."""
+    if fault is None:
+        return GradientSwarm(dht, templates, fingerprint, config, **kwargs)
+    return FaultySwarm(dht, templates, fingerprint, config, fault=fault, **kwargs)

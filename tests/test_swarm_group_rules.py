@@ -1,0 +1,269 @@
+"""dtrain's group rules as pure functions of gathered data (dtrain/swarm/averaging/group_rules.py).
+
+No peers and no hivemind objects: a group is a list of gathers, as every member receives them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dtrain.swarm.averaging import group_rules as gr
+from dtrain.swarm.averaging.contribution import OTHER_EPOCH, Commitment
+from dtrain.swarm.records import Outcome
+from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkReport, work_nonce
+
+NONCE = work_nonce("rules", 4)
+PARTS = 3
+
+
+def gather(*, w=8.0, cap=100.0, norm=1.0, fp="model-a", schema="s1", ratio=10.0, caps=None, commit=None,
+           req=True, agg="mean", comp="none"):
+    return gr.make_gather(fingerprint=fp, schema=schema, weight=w, cap=cap, norm=norm, max_norm_ratio=ratio,
+                          peer_caps=caps, aggregation=agg, compression=comp, require_commitments=req,
+                          commitment=commit)
+
+
+def ids(n):
+    return [f"peer{i}" for i in range(n)]
+
+
+def plan(users, me=0, roles=None):
+    return gr.plan_group(ids(len(users)), me, users, roles or ["node"] * len(users))
+
+
+# -- model check and caps ----------------------------------------------------------------------
+
+
+def test_a_peer_of_another_model_or_schema_is_aux_and_wrong_model():
+    users = [gather(), gather(fp="model-b"), gather(schema="s2"), {**gather(), "v": 99}, "not a gather", gather()]
+    p = plan(users)
+    assert p.compatible == [True, False, False, False, False, True]
+    assert p.roles == ["node", "aux", "aux", "aux", "aux", "node"]
+    assert p.used == [8.0, 0.0, 0.0, 0.0, 0.0, 8.0]
+    assert p.senders == [0, 5]
+    report = gr.round_report(p, round_id="r")
+    assert [x["outcome"] for x in report["peers"]] == ["SUCCESS"] + ["WRONG_MODEL"] * 4 + ["SUCCESS"]
+    assert report["peers"][1]["reason"] == "model fingerprint or tensor schema differs"
+
+
+def test_an_unknown_mode_is_an_error_only_for_a_compatible_peer():
+    p = plan([gather(), gather(fp="other")], roles=["node", None])
+    assert p.roles == ["node", "aux"]
+    with pytest.raises(ValueError, match="unknown averaging mode"):
+        plan([gather(), gather()], roles=["node", None])
+
+
+def test_weights_are_capped_by_the_reducer_not_the_sender():
+    # claimed 1, 3, 1000 and 0 (a validator), with this peer's cap 4
+    users = [gather(w=1, cap=4), gather(w=3), gather(w=1000, cap=1e9), gather(w=0)]
+    p = plan(users)
+    assert p.claimed == [1.0, 3.0, 1000.0, 0.0]
+    assert p.used == [1.0, 3.0, 4.0, 0.0]
+    assert p.sender_weights == [1.0, 3.0, 4.0, 0.0]
+
+
+def test_per_peer_caps_override_the_default_cap_and_bad_ones_are_dropped():
+    caps = {"peer1": 0.0, "peer2": 2.5, "peer3": math.nan, "peer4": -1.0, "peer5": "x"}
+    mine = gather(cap=100, caps=caps)
+    assert mine["caps"] == {"peer1": 0.0, "peer2": 2.5}
+    p = plan([mine] + [gather(w=8)] * 5)
+    assert p.used == [8.0, 0.0, 2.5, 8.0, 8.0, 8.0]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, "8", None])
+def test_a_malformed_weight_counts_as_zero(bad):
+    users = [gather(), {**gather(), "w": bad}]
+    assert plan(users).claimed[1] == 0.0
+
+
+def test_caps_of_other_peers_are_not_ours():
+    # a hostile peer's gather lifts nobody's limit: only this peer's own caps count
+    users = [gather(cap=1), gather(w=50, caps={"peer1": 1e9})]
+    assert plan(users).used == [1.0, 1.0]
+
+
+# -- scale check -----------------------------------------------------------------------------
+
+
+def test_an_out_of_scale_contribution_is_excluded_against_the_weighted_median():
+    # the validator's huge norm (weight 0) neither counts in the median nor is judged
+    users = [gather(norm=1.0), gather(norm=2.0), gather(norm=25.0), gather(norm=1e9, w=0), gather(norm=19.9)]
+    p = plan(users)
+    assert p.out_of_scale == {2}
+    assert p.roles[2] == "aux" and p.used[2] == 0.0
+    assert p.roles[3] == "node"
+    peer = gr.round_report(p, round_id="r")["peers"][2]
+    assert peer["outcome"] == "FAIL" and peer["reason"] == "out-of-scale contribution (norm 25)"
+
+
+def test_a_missing_norm_is_out_of_scale_and_ratio_zero_disables_the_check():
+    users = [gather(norm=1.0), gather(norm=1.0), {**gather(), "norm": "big"}]
+    assert plan(users).out_of_scale == {2}
+    norms, bad = gr.scale_check(users, [True] * 3, [8.0] * 3, 0.0)
+    assert bad == set() and norms[2] == math.inf
+
+
+def test_two_peers_use_the_smaller_norm_as_reference():
+    _, bad = gr.scale_check([gather(norm=1.0), gather(norm=10.5)], [True, True], [1.0, 1.0], 10.0)
+    assert bad == {1}
+
+
+def test_plan_bounds_for_the_runner():
+    users = [gather(norm=3.0), gather(norm=4.0, w=0), gather(fp="x", norm=99.0)]
+    p = plan(users)
+    assert p.sender_norms == [3.0, 4.0] and p.max_norm == 4.0
+    assert p.download_bandwidths([5.0, None, 7.0]) == [5.0, None, 0.0]
+    assert p.receives and not p.robust
+    assert plan([gather(agg="centered_clip")]).robust
+
+
+# -- work commitments -------------------------------------------------------------------------
+
+
+def report(samples=8, epoch=4, direction=None):
+    """A report whose mean sketch is ``direction`` (two pages), and claims that add up to it."""
+    direction = np.arange(1, WORK_SKETCH_K + 1, dtype=np.float64) if direction is None else direction
+    total = direction * samples
+    pages = (PageWork(page=1, counter=0, samples=3, loss=1.0, sketch=tuple(0.25 * total)),
+             PageWork(page=2, counter=1, samples=samples - 3, loss=1.0, sketch=tuple(0.75 * total)))
+    claims = np.zeros((PARTS, WORK_SKETCH_K), dtype="<f4")
+    claims[0], claims[2] = 0.5 * direction, 0.5 * direction
+    return WorkReport(epoch=epoch, pages=pages), claims
+
+
+def commit(nonce=NONCE, claims=None, **kw):
+    rep, honest = report(**kw)
+    return Commitment(nonce=nonce, report=rep, claims=honest if claims is None else claims).to_gather()
+
+
+def verdicts(users, me=0):
+    p = plan(users, me)
+    commitments, unbound = gr.check_commitments(users, p.mine, p.compatible, p.claimed, PARTS)
+    gr.apply_commitments(p, commitments, unbound)
+    return p, commitments, unbound
+
+
+def test_commitment_verdicts():
+    lying = report()[1] * -1
+    users = [
+        gather(commit=commit()),  # this peer
+        gather(commit=commit()),  # honest
+        gather(w=16, commit=commit()),  # claims more than it committed
+        gather(),  # no commitment
+        gather(commit=commit(claims=lying)),  # claims that do not add up to its report
+        gather(commit=commit(nonce=work_nonce("rules", 3))),  # another epoch
+        gather(commit={"nonce": NONCE, "claims": b"short", "work": report()[0].to_wire()}),  # malformed
+        gather(w=0, commit=commit(nonce=work_nonce("rules", 5))),  # a validator of another epoch
+        gather(w=0, commit=commit()),  # a validator of this epoch
+        gather(fp="other", commit=commit(claims=lying)),  # another model: not judged here
+    ]
+    p, commitments, unbound = verdicts(users)
+    assert set(commitments) == {0, 1, 2, 4, 5, 7, 8}
+    assert unbound[2] == "claims weight 16 but committed 8 samples"
+    assert unbound[3] == "no work commitment"
+    assert unbound[4].startswith("contribution does not match its committed pages")
+    assert unbound[5] == OTHER_EPOCH and unbound[7] == OTHER_EPOCH
+    assert unbound[6].startswith("malformed work commitment:")
+    assert set(unbound) == {2, 3, 4, 5, 6, 7}
+    assert [p.roles[i] for i in range(10)] == ["node", "node"] + ["aux"] * 6 + ["node", "aux"]
+    assert set(p.work_reports()) == {f"peer{i}" for i in (0, 1, 2, 4, 5, 7, 8)}
+    assert p.claims_nonce == NONCE
+    claims = p.sender_claims
+    assert len(claims) == len(p.senders) == 3 and all(c is not None for c in claims)
+    report_peers = gr.round_report(p, round_id="r")["peers"]
+    assert [x["outcome"] for x in report_peers] == ["SUCCESS", "SUCCESS"] + ["FAIL"] * 6 + ["SUCCESS", "WRONG_MODEL"]
+    assert report_peers[3]["reason"] == "no work commitment"
+
+
+def test_without_required_commitments_an_uncommitted_peer_is_admitted():
+    users = [gather(req=False, commit=commit()), gather(), gather(commit=commit(samples=4), w=8)]
+    _, _, unbound = verdicts(users)
+    assert unbound == {2: "claims weight 8 but committed 4 samples"}  # who commits is still bound
+
+
+def test_a_peer_without_a_commitment_of_its_own_checks_none():
+    p, commitments, unbound = verdicts([gather(), gather(commit=commit(claims=report()[1] * 0))])
+    assert commitments is None and unbound == {} and p.sender_claims is None and p.claims_nonce == ""
+
+
+# -- sitting out -----------------------------------------------------------------------------
+
+
+def test_a_peer_at_another_epoch_than_most_of_its_group_sits_out():
+    stale = work_nonce("rules", 3)
+    users = [gather(w=0, commit=commit(nonce=stale))] + [gather(commit=commit()) for _ in range(3)]
+    p, _, _ = verdicts(users)
+    reason = gr.out_of_step(p)
+    assert reason == ("this peer is at another epoch than the group (3 of 3 peers committed under another "
+                      "epoch's nonce)")
+    rep = gr.sit_out_report(p, "abcd", reason)
+    assert rep["out_of_step"] == reason and rep["round_id"] == "abcd" and rep["fraction_averaged"] == 0.0
+    assert [x["peer_id"] for x in rep["peers"]] == ["peer1", "peer2", "peer3"]  # not itself
+    assert all(x["outcome"] == "FAIL" and x["weight_used"] == 0.0 for x in rep["peers"])
+    assert set(rep["work_reports"]) == {"peer0", "peer1", "peer2", "peer3"}
+
+
+def test_a_minority_at_another_epoch_does_not_make_the_majority_sit_out():
+    users = [gather(commit=commit()), gather(commit=commit()), gather(w=0, commit=commit(nonce="x"))]
+    p, _, unbound = verdicts(users)
+    assert gr.out_of_step(p) is None and unbound == {2: OTHER_EPOCH}
+    assert gr.out_of_step(plan([gather(), gather()])) is None  # no commitments: nothing to compare
+
+
+# -- the round report ------------------------------------------------------------------------
+
+
+def test_round_report_outcomes_reasons_and_figures():
+    n = 9
+    users = [gather(norm=1.0)] * n
+    users[1] = gather(fp="other")
+    users[2] = gather(norm=50.0)
+    p = plan(users)
+    gr.apply_commitments(p, None, {3: "no work commitment"})
+    pid = ids(n)
+    rep = gr.round_report(p, round_id="ff", contradicted={pid[4]}, too_large={pid[5]},
+                          rejected={pid[4], pid[5], pid[6]}, banned={pid[4], pid[7]},
+                          failed_reducers={pid[8]: "TimeoutError()", pid[0]: "never: it is us"},
+                          bytes_sent=10, bytes_received=20, total_size=1000, failed_size=250)
+    got = [(x["outcome"], x["reason"]) for x in rep["peers"]]
+    assert got == [
+        ("SUCCESS", ""),
+        ("WRONG_MODEL", "model fingerprint or tensor schema differs"),
+        ("FAIL", "out-of-scale contribution (norm 50)"),
+        ("FAIL", "no work commitment"),
+        ("FAIL", "sent a part that contradicts its commitment"),
+        ("FAIL", "sent a part larger than its announced norm"),
+        ("FAIL", "sent non-finite values"),
+        ("FAIL", "banned as sender (timeout, disconnect or protocol error)"),
+        ("FAIL", "did not deliver its averaged part: TimeoutError()"),
+    ]
+    assert [x["weight_used"] for x in rep["peers"]] == [8.0] + [0.0] * 8
+    assert rep["total_weight"] == 8.0
+    assert rep["fraction_averaged"] == 0.75
+    assert rep["group"] == pid and rep["round_id"] == "ff"
+    assert (rep["bytes_sent"], rep["bytes_received"]) == (10, 20)
+    assert Outcome(rep["peers"][0]["outcome"]) is Outcome.SUCCESS
+
+
+def test_an_aux_peer_averaged_nothing():
+    p = plan([gather(fp="mine-alone"), gather(fp="other"), gather(fp="other")], me=0)
+    p.exclude(0)
+    assert not p.receives
+    assert gr.round_report(p, round_id="r", total_size=10)["fraction_averaged"] == 0.0
+
+
+def test_gather_and_schema():
+    g = gr.make_gather(fingerprint="fp", schema="s", weight=2, cap=3, norm=1.5, max_norm_ratio=10,
+                       aggregation="centered_clip", compression="8bit", require_commitments=True,
+                       expect=["b", "a"])
+    assert g["v"] == gr.GATHER_VERSION and g["w"] == 2.0 and g["agg"] == "centered_clip" and g["req"] is True
+    assert g["expect"] == ["b", "a"] and "commit" not in g
+    assert "expect" not in gather()
+    a = gr.schema_hash([torch.zeros(3, 4), torch.zeros(5)])
+    assert a == gr.schema_hash([torch.ones(3, 4), torch.ones(5)])  # shapes, not values
+    assert a != gr.schema_hash([torch.zeros(4, 3), torch.zeros(5)])
+    assert a != gr.schema_hash([torch.zeros(3, 4, dtype=torch.float64), torch.zeros(5)])

@@ -1,0 +1,180 @@
+"""The part reducer (dtrain/swarm/averaging/reducer.py), driven directly as the runner drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from dtrain.swarm.averaging.centered_clip import centered_clip
+from dtrain.swarm.averaging.reducer import (
+    NORM_SLACK,
+    CheckedReducer,
+    ReducerFinished,
+    SenderBanned,
+    part_check,
+    within_norm,
+)
+
+SHAPES = (torch.Size([4]), torch.Size([4]))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def full(v):
+    return torch.full((4,), float(v))
+
+
+async def _all(reducer, parts_by_sender, part_index=0, **kw):
+    """Every sender sends its part of ``part_index`` concurrently; results (or exceptions) in order."""
+    return await asyncio.gather(*(reducer.accumulate_part(i, part_index, p, **kw)
+                                  for i, p in enumerate(parts_by_sender)), return_exceptions=True)
+
+
+def test_checks():
+    assert part_check(torch.tensor([3.0, 4.0])) == (True, 5.0)
+    assert not part_check(torch.tensor([1.0, math.nan]))[0]
+    assert not part_check(torch.tensor([1.0, math.inf]))[0]
+    assert not part_check(torch.tensor([1.0, math.inf], dtype=torch.float64))[0]
+    assert part_check(torch.tensor([3.0, 4.0], dtype=torch.float64)) == (True, 5.0)
+    assert within_norm(10.0, 10.0) and within_norm(10.0 * NORM_SLACK, 10.0)
+    assert not within_norm(10.0 * NORM_SLACK + 1e-3, 10.0)
+
+
+def test_weights_come_from_the_gather_not_the_wire():
+    async def go():
+        r = CheckedReducer(SHAPES, 3, sender_weights=[1.0, 3.0, 0.0])
+        return await _all(r, [full(1), full(2), full(100)], weight=1000.0)
+
+    out = run(go())
+    for result in out:  # every sender receives the same average: (1*1 + 3*2 + 0*100) / 4
+        assert torch.equal(result, full(7 / 4))
+
+
+def test_a_nonfinite_part_bans_its_sender_and_is_never_added():
+    async def go():
+        r = CheckedReducer(SHAPES, 3, sender_weights=[1.0, 1.0, 1.0])
+        bad = full(1)
+        bad[1] = math.nan
+        first = await _all(r, [full(1), full(3), bad])
+        second = await _all(r, [full(5), full(7), full(0)], part_index=1)
+        return r, first, second
+
+    r, first, second = run(go())
+    assert isinstance(first[2], SenderBanned) and "non-finite" in str(first[2])
+    assert torch.equal(first[0], full(2)) and torch.equal(first[1], full(2))
+    assert isinstance(second[2], SenderBanned) and "banned in background" in str(second[2])
+    assert torch.equal(second[0], full(6))
+    assert r.rejected == {2} and r.too_large == set() and r.finished.is_set()
+
+
+def test_a_part_larger_than_its_announced_norm_is_refused():
+    async def go():
+        r = CheckedReducer(SHAPES, 2, sender_weights=[1.0, 1.0], sender_norms=[10.0, 1.0])
+        return r, await _all(r, [full(1), full(1)])  # norm 2: fine for sender 0, too large for sender 1
+
+    r, out = run(go())
+    assert torch.equal(out[0], full(1))
+    assert isinstance(out[1], SenderBanned) and "larger than its announced norm" in str(out[1])
+    assert r.too_large == {1} and r.rejected == {1}
+
+
+def test_a_part_checked_off_the_loop_uses_the_given_verdict():
+    async def go():
+        r = CheckedReducer(SHAPES, 1, sender_weights=[1.0])
+        return await r.accumulate_part(0, 0, full(1), check=(False, 2.0))
+
+    with pytest.raises(SenderBanned, match="non-finite"):
+        run(go())
+
+
+def test_reject_bans_for_a_reason_of_the_caller():
+    async def go():
+        r = CheckedReducer(SHAPES, 2, sender_weights=[1.0, 1.0])
+        with pytest.raises(SenderBanned, match="contradicts"):
+            r.reject(1, r.contradicted, "sent a part that contradicts its commitment")
+        return r, await r.accumulate_part(0, 0, full(4))
+
+    r, out = run(go())
+    assert r.contradicted == {1} and r.rejected == {1}
+    assert torch.equal(out, full(4))  # the part completed without the refused sender
+
+
+def test_banning_a_sender_twice_counts_once():
+    async def go():
+        r = CheckedReducer(SHAPES, 3, sender_weights=[1.0, 1.0, 1.0])
+        r.on_sender_failed(2)
+        r.on_sender_failed(2)  # the runner may ban again from another path
+        assert r.num_current_senders == 2
+        return await _all(r, [full(1), full(3)])
+
+    out = run(go())
+    assert all(torch.equal(x, full(2)) for x in out)
+
+
+def test_without_weight_the_part_is_the_plain_mean():
+    async def go():
+        r = CheckedReducer(SHAPES, 2, sender_weights=[0.0, 0.0])  # only validators left
+        return await _all(r, [full(1), full(5)])
+
+    out = run(go())
+    assert all(torch.equal(x, full(3)) for x in out)
+
+
+def test_a_part_nobody_sent_is_nan():
+    async def go():
+        r = CheckedReducer(SHAPES, 2, sender_weights=[1.0, 1.0])
+        await _all(r, [full(1), full(3)])
+        part = r.current_part_future
+        r.on_sender_failed(0)
+        r.on_sender_failed(1)
+        return r, await part
+
+    r, result = run(go())
+    assert bool(torch.isnan(result).all())  # receivers keep their local values for it
+    assert r.finished.is_set()
+
+
+def test_parts_are_reduced_in_order():
+    async def go():
+        r = CheckedReducer(SHAPES, 2, sender_weights=[1.0, 1.0])
+        early = asyncio.create_task(r.accumulate_part(0, 1, full(10)))
+        await asyncio.sleep(0.01)
+        assert not early.done() and r.current_part_index == 0
+        await _all(r, [full(1), full(3)])
+        late = await r.accumulate_part(1, 1, full(20))
+        return await early, late
+
+    early, late = run(go())
+    assert torch.equal(early, full(15)) and torch.equal(late, full(15))
+
+
+def test_centered_clip_combines_the_weighted_senders():
+    torch.manual_seed(0)
+    parts = [torch.randn(4) for _ in range(3)] + [torch.full((4,), 50.0)]
+    weights = [1.0, 2.0, 1.0, 1.0]
+
+    async def go():
+        r = CheckedReducer(SHAPES, 4, sender_weights=weights, robust=True)
+        return await _all(r, parts)
+
+    out = run(go())
+    want = centered_clip(parts, weights)
+    for x in out:
+        torch.testing.assert_close(x, want)
+    mean = sum(w * p for w, p in zip(weights, parts)) / sum(weights)
+    assert float((want - mean).norm()) > 1.0  # the clip, not the mean
+
+
+def test_a_finished_reducer_refuses_later_parts():
+    async def go():
+        r = CheckedReducer(SHAPES, 1, sender_weights=[1.0])
+        r.finalize()
+        await r.accumulate_part(0, 1, full(1))
+
+    with pytest.raises(ReducerFinished):
+        run(go())

@@ -1,0 +1,91 @@
+"""One set of averaging defaults: AveragingConfig's are the config schema's ([allreduce])."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from dtrain.config import AllReduceConfig, Config, ModelConfig
+from dtrain.swarm.deadlines import matchmaking_timeout_s
+from dtrain.swarm.averaging import AveragingConfig, settings_from
+from dtrain.swarm.averaging.settings import sender_timeout_for
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_library_defaults_are_what_a_default_neuron_runs():
+    assert AveragingConfig() == settings_from(Config(), None)
+
+
+def test_every_mapped_default_equals_the_schema():
+    a, d = AllReduceConfig(), AveragingConfig()
+    assert d.prefix == f"dtrain-{ModelConfig().run_id}"
+    assert d.min_group_size == a.min_group_size
+    assert d.target_group_size == a.target_group_size == 32
+    assert d.min_matchmaking_time_s == a.matchmaking_time
+    assert d.request_timeout_s == a.request_timeout
+    assert d.allreduce_timeout_s == a.allreduce_timeout
+    assert d.sender_timeout_s == sender_timeout_for(a.allreduce_timeout) == 30.0
+    assert d.matchmaking_timeout_s == matchmaking_timeout_s(a)
+    assert d.compression == a.compression
+    assert d.aggregation == a.aggregation == "centered_clip"
+    assert d.require_commitments is True
+    assert d.log_path is None
+
+
+def test_settings_follow_the_config(tmp_path):
+    cfg = Config()
+    cfg.model.run_id = "r7"
+    a = cfg.allreduce
+    a.min_group_size, a.target_group_size, a.matchmaking_time, a.request_timeout = 3, 9, 4.0, 1.5
+    a.allreduce_timeout, a.compression, a.aggregation = 8.0, "8bit", "mean"
+    s = settings_from(cfg, tmp_path / "rounds.jsonl")
+    assert (s.prefix, s.min_group_size, s.target_group_size, s.min_matchmaking_time_s, s.request_timeout_s) == \
+        ("dtrain-r7", 3, 9, 4.0, 1.5)
+    assert (s.allreduce_timeout_s, s.sender_timeout_s, s.matchmaking_timeout_s) == (8.0, 5.0, 12.0)
+    assert (s.compression, s.aggregation, s.require_commitments) == ("8bit", "mean", True)
+    assert s.log_path == str(tmp_path / "rounds.jsonl")
+
+
+def test_the_neurons_use_the_same_mapping(tmp_path):
+    from dtrain.neurons.runtime import averaging_config
+
+    cfg = Config()
+    cfg.allreduce.target_group_size = 5
+    assert averaging_config(cfg, tmp_path / "r.jsonl") == settings_from(cfg, tmp_path / "r.jsonl")
+
+
+def test_sender_timeout_rule():
+    assert sender_timeout_for(120.0) == 30.0
+    assert sender_timeout_for(8.0) == 5.0
+    assert sender_timeout_for(3.0) == 3.0  # never longer than the all-reduce itself
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("aggregation", "median", "aggregation must be 'mean' or 'centered_clip'"),
+    ("compression", "4bit", "unknown compression '4bit'"),
+])
+def test_an_unknown_rule_or_codec_is_a_clear_error(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AveragingConfig(**{field: value})
+    with pytest.raises(ValueError, match=message):
+        AveragingConfig().replace(**{field: value})
+
+
+def test_settings_are_frozen_and_replace_copies():
+    d = AveragingConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.prefix = "x"  # type: ignore[misc]
+    e = d.replace(prefix="x", aggregation="mean")
+    assert (e.prefix, e.aggregation, d.prefix) == ("x", "mean", AveragingConfig().prefix)
+
+
+def test_the_link_table_uses_the_default_part_size():
+    # scripts/gen_link_table.py keeps its own copy (importing the swarm would load hivemind)
+    spec = importlib.util.spec_from_file_location("gen_link_table", REPO / "scripts" / "gen_link_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.PART_SIZE_BYTES == AveragingConfig().part_size_bytes
