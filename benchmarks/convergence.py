@@ -1,39 +1,48 @@
 """What does the swarm cost in bytes, and in loss? Per-step averaging vs DiLoCo vs DiLoCo + 8-bit.
 
 Every set-up trains the tiny preset from the same init on the same tokens, for the same
-number of steps, and is scored on a held-out batch that no set-up trains on:
+number of steps, and is scored on a held-out batch that no set-up trains on. The swarm
+set-ups drive the production training modes (``dtrain.modes``: ``PerStep``, ``DiLoCo``)
+built from a :class:`~dtrain.config.Config` with the schema's defaults, and average through
+the production ``GradientSwarm`` settings (CenteredClip aggregation, work commitments checked
+by every peer); only the model size, batch, step count and learning rates are the
+benchmark's:
 
 * ``reference``: one process takes the whole global batch (``peers`` x ``batch`` sequences)
   per AdamW step.
-* ``per_step``: ``peers`` replicas each take their slice of every global batch and average
-  the gradient every step (weight = samples), then all take the same AdamW step. The
-  first ``--per-step-rounds`` steps go through real hivemind rounds (4 DHTs, butterfly
-  all-reduce on loopback): that is where its bytes are measured, and the replicas are
-  checked to be identical. The remaining steps average the same slices in-process: a
-  loopback fp32 round returns exactly this weighted mean, and thousands of real rounds
-  would take most of an hour on a small machine.
-* ``diloco``: each replica takes H inner AdamW steps on its slices, then one real round
-  averages the pseudo-gradient (anchor - params) and every replica takes the same outer
-  Nesterov step (``dtrain.swarm.diloco.DiLoCo``). Every outer round is real.
-* ``diloco_8bit``: the same, with the pseudo-gradient quantised to 8 bits on the wire
-  (``AveragingConfig.compression = "8bit"``: hivemind's Uniform8BitQuantization, both the
-  parts sent to reducers and the averaged parts sent back).
+* ``per_step``: ``peers`` miners' ``PerStep`` modes each train their slice of every global
+  batch, average their mean gradients in a real round (weight = samples) and apply the same
+  step. The first ``--per-step-rounds`` steps go through real hivemind rounds (4 DHTs,
+  butterfly all-reduce on loopback): that is where its bytes are measured, and the replicas
+  are checked to be identical. The remaining steps average the same slices in-process (the
+  plain weighted mean; thousands of real rounds would take most of an hour on a small machine).
+* ``diloco``: each miner's ``DiLoCo`` mode takes H inner AdamW steps on its slices, exactly
+  as ``dtrain mine --mode diloco`` does (fresh inner moments every epoch, the inner learning
+  rate ramped over ``allreduce.diloco_inner_warmup`` steps, a trajectory report and
+  snapshots), then one real round averages the pseudo-gradients (anchor - inner params) and
+  every miner takes the same outer Nesterov step (``allreduce.outer_lr``,
+  ``allreduce.outer_momentum``). Every outer round is real.
+* ``diloco_8bit``: the same with ``allreduce.compression = "8bit"`` (dtrain's blockwise
+  codec, both the parts sent to reducers and the averaged parts sent back).
+
+A round that fails (an error, part of the vector not averaged, a peer not SUCCESS) is run
+again, up to ``MAX_ATTEMPTS`` times in all, with every peer's unchanged contribution (a
+failed round changes nothing in a mode); the output counts the rounds that needed it
+(``retried_rounds``) and those that never succeeded (``failed_rounds``, each then applied
+as a miner would: a peer whose record says it averaged takes the step).
 
 Bytes per token = bytes sent + received on the wire (``RoundRecord`` counters: protobuf
 payload of all-reduce messages, libp2p framing excluded) over the tokens those rounds
-trained. Every round of a set-up moves a vector of the same size, so bytes per token over
-the measured rounds is the whole run's figure; the output names the rounds it came from.
-Loss gap = (set-up's held-out loss - reference's) / reference's, signed (negative: better).
+trained, from the attempt that counted. Every round of a set-up moves a vector of the same
+size, so bytes per token over the measured rounds is the whole run's figure; the output
+names the rounds it came from. Loss gap = (set-up's held-out loss - reference's) /
+reference's, signed (negative: better).
 
-Defaults (tuned with ``--in-process``, seed 0, 600 steps, H=100; reference 0.9799):
-reference/per-step AdamW peak lr 4e-3 (2e-3 is as good, 8e-3 +0.6%). DiLoCo inner AdamW
-peak lr 3e-3 (2e-3 and 4e-3 within 0.3 points of it), outer Nesterov lr 0.7 (1.0 at momentum 0.5: +2.3%)
-with momentum 0.7: over only 6 outer steps the paper's 0.9 measured +3.1%, 0.7 and 0.5
-+1.6%, 0.3 +2.3%. Each peer keeps its inner AdamW moments across outer steps, as in the
-DiLoCo paper; ``--inner-state reset`` restarts them at every outer step as ``mine`` does in
-diloco mode, which measured +4.1% to +4.7% (lr 2e-3/3e-3, momentum 0.5/0.9). All set-ups:
-warmup 50 steps, cosine to 0.1x over the run (DiLoCo's over the global inner-step count),
-clip 1.0, weight decay 0.1.
+``--outer-lr``, ``--outer-momentum`` and ``--inner-warmup`` override the schema's DiLoCo
+values for tuning; the output then says ``production_diloco: false``. Learning rates (tuned
+with ``--in-process``): AdamW peak 4e-3 for the reference and per-step runs (2e-3 is as good,
+8e-3 +0.6%), DiLoCo inner AdamW peak 3e-3; all set-ups warm up over 50 steps, then cosine to
+0.1x over the run (DiLoCo's over the global inner-step count), clip 1.0, weight decay 0.1.
 
     python benchmarks/convergence.py            # table
     python benchmarks/convergence.py --json     # one JSON document
@@ -45,8 +54,10 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -58,6 +69,8 @@ PER_STEP_GAP_OK = 0.02  # per-step averaging is the reference's math: only round
 # Shortest shipped-corpus page is 1837 tokens: pages this size never repeat text.
 PAGE_TOKENS = 1792
 DILOCO_SETUPS = ("diloco", "diloco_8bit")
+# A failed round is run at most this many times in all before it counts as failed.
+MAX_ATTEMPTS = 4
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -68,7 +81,7 @@ def relative_gap(loss: float, reference: float) -> float:
     return (loss - reference) / reference
 
 
-def best_diloco(setups: dict) -> Optional[str]:
+def best_diloco(setups: dict) -> str | None:
     """The DiLoCo set-up to headline: the largest bytes reduction among those within the gap
     target; if none is within it, the one with the smallest gap (so a miss is visible)."""
     cands = [k for k in DILOCO_SETUPS if k in setups and setups[k].get("gap") is not None]
@@ -84,7 +97,7 @@ def summarize(setups: dict) -> dict:
     """Top-level keys derived from the per-set-up results (``setups`` is updated in place with
     ``bytes_reduction`` = per-step bytes per token / the set-up's)."""
     per_step = setups.get("per_step", {}).get("bytes_per_token")
-    for name, s in setups.items():
+    for s in setups.values():
         bpt = s.get("bytes_per_token")
         ok = per_step and bpt and math.isfinite(bpt) and bpt > 0
         s["bytes_reduction"] = per_step / bpt if ok else None
@@ -101,6 +114,7 @@ def summarize(setups: dict) -> dict:
             diloco_bytes_per_token=b.get("bytes_per_token"),
             diloco_outer_steps=b.get("rounds"),
             diloco_failed_rounds=b.get("failed_rounds"),
+            diloco_retried_rounds=b.get("retried_rounds"),
             diloco_replicas_identical=b.get("replicas_identical"),
             diloco_seconds=b.get("seconds"),
         )
@@ -119,7 +133,7 @@ def format_table(result: dict) -> str:
         f"({result['epochs']:.2f} epochs); held-out {result['eval_tokens']} tokens",
         "",
         f"{'set-up':12s} {'loss':>8s} {'gap':>8s} {'bytes/token':>12s} {'reduction':>10s} {'rounds':>7s} "
-        f"{'failed':>6s} {'same':>5s} {'seconds':>8s}",
+        f"{'retried':>7s} {'failed':>6s} {'same':>5s} {'seconds':>8s}",
     ]
     for name in ("reference", "per_step", *DILOCO_SETUPS):
         s = result["setups"].get(name)
@@ -131,7 +145,7 @@ def format_table(result: dict) -> str:
             f"{name:12s} {s['loss']:8.4f} {s.get('gap', 0.0) * 100:+7.2f}% "
             f"{(f'{bpt:12.1f}' if bpt is not None else '           -')} "
             f"{(f'{red:9.1f}x' if red is not None else '         -')} "
-            f"{s.get('rounds', '-'):>7} {s.get('failed_rounds', '-'):>6} "
+            f"{s.get('rounds', '-'):>7} {s.get('retried_rounds', '-'):>7} {s.get('failed_rounds', '-'):>6} "
             f"{str(s.get('replicas_identical', '-'))[:5]:>5s} {s['seconds']:8.1f}"
         )
     lines.append("")
@@ -147,6 +161,11 @@ def format_table(result: dict) -> str:
             f"gap {result['diloco_gap'] * 100:+.2f}% (target >= {TARGET_REDUCTION:g}x at <= {TARGET_GAP * 100:g}%): "
             f"{'met' if result['target_met'] else 'NOT met'}"
         )
+    if "production_diloco" in result:
+        lines.append("DiLoCo as `dtrain mine --mode diloco` runs it (the schema's outer lr, momentum and inner warm-up)"
+                     if result["production_diloco"] else
+                     "DiLoCo with overridden hyperparameters (--outer-lr/--outer-momentum/--inner-warmup): "
+                     "NOT what `dtrain mine` runs")
     lines.append(f"wall time {result['wall_seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -175,6 +194,22 @@ def _epoch_perm(n: int, seed: int, epoch: int) -> torch.Tensor:
     return _PERMS[key]
 
 
+
+# ----------------------------------------------------------------------------- measuring rounds
+
+
+def bytes_per_token(records: Sequence, tokens: int | None = None) -> float:
+    """(bytes sent + received) over the rounds / tokens trained (from the records unless given)."""
+    total_bytes = sum(r.bytes_sent + r.bytes_received for r in records)
+    total_tokens = int(tokens if tokens is not None else sum(r.tokens for r in records))
+    return float(total_bytes) / total_tokens if total_tokens > 0 else float("nan")
+
+
+def round_failed(rec) -> bool:
+    """A round that did not average everything with everyone: run it again."""
+    return bool(rec.error) or rec.fraction_averaged < 1.0 or any(p.outcome.value != "SUCCESS" for p in rec.peers)
+
+
 # ----------------------------------------------------------------------------- training parts
 
 
@@ -196,17 +231,39 @@ def load_tokens(seq_len: int, eval_pages: int):
     return tok, pool, held_out
 
 
-def make_trainer(tok, seq_len: int, steps: int, lr: float, warmup: int, micro: int, seed: int):
-    from dtrain.training.models import create_model
-    from dtrain.training.trainer import Trainer, TrainerConfig
+def bench_config(args, mode: str, *, lr: float, compression: str = "none", batch: int | None = None):
+    """The Config a miner of this benchmark runs: the schema's defaults, the benchmark's model
+    scale, and the DiLoCo overrides only where given (None: the schema's value)."""
+    from dtrain.config import Config, apply_overrides
 
-    model = create_model("tiny", vocab_size=len(tok), n_positions=seq_len, eos_token_id=int(tok.eos_token_id),
-                         seed=seed)
-    cfg = TrainerConfig(
-        micro_batch_size=micro, local_batch_size=micro, optimizer="adamw", lr=lr, warmup_steps=warmup,
-        total_steps=steps, grad_clip=1.0, precision="fp32",
-    )
-    return Trainer(model, cfg)
+    cfg = Config()
+    b = batch or args.batch
+    apply_overrides(cfg, {
+        "model.preset": "tiny", "model.seq_len": args.seq_len, "model.run_id": f"convergence-{args.seed}",
+        "data.source": "local", "data.tokenizer": "shipped",
+        "training.device": "cpu", "training.precision": "fp32", "training.micro_batch_size": b,
+        "training.local_batch_size": b, "training.lr": lr, "training.warmup_steps": args.warmup,
+        "training.total_steps": args.steps,
+        "allreduce.mode": mode, "allreduce.diloco_inner_steps": args.diloco_h, "allreduce.compression": compression,
+        "allreduce.min_group_size": args.peers, "allreduce.target_group_size": args.peers,
+        "allreduce.outer_lr": args.outer_lr, "allreduce.outer_momentum": args.outer_momentum,
+        "allreduce.diloco_inner_warmup": args.inner_warmup,
+    })
+    return cfg
+
+
+def make_model(tok, seq_len: int, seed: int):
+    from dtrain.training.models import create_model
+
+    return create_model("tiny", vocab_size=len(tok), n_positions=seq_len, eos_token_id=int(tok.eos_token_id),
+                        seed=seed)
+
+
+def make_modes(args, tok, cfg) -> list:
+    """One production mode per miner, each on its own copy of the same initial model."""
+    from dtrain.modes import build_mode
+
+    return [build_mode(cfg, make_model(tok, args.seq_len, args.seed), "cpu", None) for _ in range(args.peers)]
 
 
 @torch.no_grad()
@@ -223,87 +280,132 @@ def eval_loss(trainer, batch: torch.Tensor, chunk: int = 64) -> float:
     return total / batch.shape[0]
 
 
-def _round_failed(rec) -> bool:
-    return bool(rec.error) or rec.fraction_averaged < 1.0 or any(p.outcome.value != "SUCCESS" for p in rec.peers)
 
-
-def _identical(trainers) -> bool:
-    return all(torch.equal(a, b) for tr in trainers[1:] for a, b in zip(trainers[0].params, tr.params))
+def _identical(modes) -> bool:
+    first = modes[0].trainer.params
+    return all(torch.equal(a, b) for m in modes[1:] for a, b in zip(first, m.trainer.params))
 
 
 def _bytes(records: Sequence) -> tuple[float, float]:
     """(bytes per token, mean bytes per round per peer) over all peers' records."""
-    from dtrain.swarm.diloco import bytes_per_token
-
     moved = [r.bytes_sent + r.bytes_received for r in records]
     return bytes_per_token(records), (sum(moved) / len(moved) if moved else float("nan"))
 
 
-def _avg_cfg(prefix: str, peers: int, compression: str = "none"):
-    from dtrain.swarm.averaging import AveragingConfig
+def swarms_for(cfg, nodes, modes, prefix: str) -> list:
+    """GradientSwarms as a neuron opens them (runtime.averaging_config: the schema's aggregation,
+    compression and work commitments), with matchmaking windows for loopback."""
+    import dataclasses
 
-    return AveragingConfig(
-        prefix=prefix, min_group_size=peers, target_group_size=peers, min_matchmaking_time_s=1.0,
-        request_timeout_s=0.5, matchmaking_timeout_s=60, allreduce_timeout_s=60, allow_state_sharing=False,
-        compression=compression,
-    )
+    from dtrain.neurons.runtime import averaging_config
+    from dtrain.swarm.averaging import GradientSwarm
+
+    avg = dataclasses.replace(averaging_config(cfg, None), prefix=prefix, min_matchmaking_time_s=1.0,
+                              request_timeout_s=0.5, matchmaking_timeout_s=60.0, allow_state_sharing=False)
+    return [GradientSwarm(nd.dht, [p.detach() for p in m.trainer.params], f"conv-{prefix}", avg,
+                          mode=cfg.allreduce.mode) for nd, m in zip(nodes, modes)]
+
+
+class RoundLog:
+    """Every round of a set-up: the records that counted, and how many attempts each took."""
+
+    def __init__(self):
+        self.records: list = []
+        self.attempts: list[int] = []
+        self.failed = 0
+
+    def summary(self) -> dict:
+        waits = [r.duration_s for r in self.records]  # matchmaking + all-reduce, as each peer waited
+        return dict(rounds=len(self.attempts), retried_rounds=sum(a > 1 for a in self.attempts),
+                    attempts=sum(self.attempts), failed_rounds=self.failed,
+                    first_attempt_ok=all(a == 1 for a in self.attempts) and not self.failed,
+                    mean_round_s=sum(waits) / len(waits) if waits else None, max_round_s=max(waits, default=None))
+
+
+def swarm_round(modes, swarms, *, epoch: int, run_id: str, seq_len: int, log: RoundLog) -> None:
+    """One round of every miner, as ``_do_round`` runs it: its mode's contribution, the round,
+    then the mode's step. A failed round is run again with the same contributions."""
+    from dtrain.training.work import work_nonce
+
+    from dtrain.swarm.loopback import run_concurrently
+
+    contributions = [m.contribution(m.samples, m.weight_cap) for m in modes]
+    nonce = work_nonce(run_id, epoch)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        sent = [[t.clone() for t in c.tensors] for c in contributions]
+        records = run_concurrently(
+            [lambda sw=sw, c=c, ts=ts, m=m: sw.run_round(ts, weight=c.weight, cap=m.weight_cap,
+                                                         tokens=int(c.weight) * seq_len, work=c.report,
+                                                         work_nonce=nonce)
+             for sw, c, ts, m in zip(swarms, contributions, sent, modes)], timeout_s=600)
+        if not any(round_failed(r) for r in records):
+            break
+    log.records.extend(records)
+    log.attempts.append(attempt)
+    log.failed += any(round_failed(r) for r in records)
+    for m, r, ts in zip(modes, records, sent):
+        m.apply_average(r, ts)
+
+
+def in_process_round(modes, *, epoch: int, run_id: str, seq_len: int, log: RoundLog) -> None:
+    """Tuning only: the exact weighted mean of the contributions, no wire, no bytes."""
+    from dtrain.swarm.records import RoundRecord
+
+    contributions = [m.contribution(m.samples, m.weight_cap) for m in modes]
+    total = sum(c.weight for c in contributions)
+    mean = [sum(c.tensors[i] * (c.weight / total) for c in contributions) for i in range(len(contributions[0].tensors))]
+    record = RoundRecord(round_id="local", local_peer_id="", started_at=time.time(), duration_s=0.0,
+                         fraction_averaged=1.0)
+    log.attempts.append(1)
+    for m in modes:
+        m.apply_average(record, [t.clone() for t in mean])
 
 
 def run_reference(args, tok, batch_of) -> dict:
+    """One process, one PerStep replica, the whole global batch per step."""
+    from dtrain.modes import build_mode
+
     t0 = time.monotonic()
-    tr = make_trainer(tok, args.seq_len, args.steps, args.lr, args.warmup, args.peers * args.batch, args.seed)
+    cfg = bench_config(args, "gradient", lr=args.lr, batch=args.peers * args.batch)
+    mode = build_mode(cfg, make_model(tok, args.seq_len, args.seed), "cpu", None)
     for s in range(args.steps):
-        tr.train_step(batch_of(s))
-    return dict(trainer=tr, seconds=time.monotonic() - t0)
+        mode.trainer.train_step(batch_of(s))
+    return dict(trainer=mode.trainer, seconds=time.monotonic() - t0)
 
 
 def run_per_step(args, tok, batch_of, nodes) -> dict:
     """Real rounds for the first ``per_step_rounds`` steps, then the same mean in-process."""
-    from dtrain.swarm.averaging import GradientSwarm
-    from dtrain.swarm.testing import run_concurrently
-
     t0 = time.monotonic()
     n, b = args.peers, args.batch
-    trainers = [make_trainer(tok, args.seq_len, args.steps, args.lr, args.warmup, b, args.seed) for _ in range(n)]
+    cfg = bench_config(args, "gradient", lr=args.lr)
+    modes = make_modes(args, tok, cfg)
     real = min(args.per_step_rounds, args.steps)
-    records: list = []
-    identical = None
+    log, identical = RoundLog(), None
     if real > 0:
-        cfg = _avg_cfg("conv_step", n)
-        swarms = [GradientSwarm(nd.dht, tr.gradients(), "conv-tiny", cfg) for nd, tr in zip(nodes, trainers)]
-        recs: list[list] = [[] for _ in range(n)]
-
-        def peer(i: int):
-            tr = trainers[i]
-            for s in range(real):
-                tr.accumulate(batch_of(s)[i * b : (i + 1) * b])
-                samples, tokens = tr.accumulated_samples, tr.accumulated_tokens
-                # per-sample mean with weight = samples: the round returns the global per-sample mean
-                grads = [g / samples for g in tr.gradients()]
-                recs[i].append(swarms[i].run_round(grads, weight=samples, cap=b, tokens=tokens))
-                tr.set_gradients(grads, num_samples=1)
-                tr.step()
-
+        swarms = swarms_for(cfg, nodes, modes, "conv_step")
         try:
-            run_concurrently([lambda i=i: peer(i) for i in range(n)], timeout_s=1200)
+            for s in range(real):
+                x = batch_of(s)
+                for i, m in enumerate(modes):
+                    m.train_page(x[i * b:(i + 1) * b], page=s * n + i, counter=0, epoch=s)
+                swarm_round(modes, swarms, epoch=s, run_id=cfg.model.run_id, seq_len=args.seq_len, log=log)
         finally:
             for sw in swarms:
                 sw.shutdown()
-        identical = _identical(trainers)
-        records = [r for rs in recs for r in rs]
+        identical = _identical(modes)
     t_real = time.monotonic() - t0
-    # The rest: one replica sums every peer's slice and divides by all samples, which is the
-    # weighted mean a fp32 loopback round returns (up to summation order).
-    tr = trainers[0]
+    # The rest: one replica sums every peer's slice and divides by all samples: the plain
+    # weighted mean of the peers' mean gradients.
+    tr = modes[0].trainer
     for s in range(real, args.steps):
         x = batch_of(s)
         for i in range(n):
-            tr.accumulate(x[i * b : (i + 1) * b])
+            tr.accumulate(x[i * b:(i + 1) * b])
         tr.step()
+    records = log.records
     bpt, per_round = _bytes(records)
-    failed = sum(_round_failed(r) for r in records)
     return dict(
-        trainer=tr, records=records, rounds=real, failed_rounds=failed, replicas_identical=identical,
+        trainer=tr, records=records, replicas_identical=identical, **log.summary(),
         bytes_per_token=bpt if records else None, bytes_per_round=per_round if records else None,
         bytes_source=(f"measured over {real} real rounds x {n} peers (steps 1-{real}); steps {real + 1}-{args.steps} "
                       f"averaged in-process (same tensor every step, so the same bytes per token)"
@@ -314,90 +416,49 @@ def run_per_step(args, tok, batch_of, nodes) -> dict:
     )
 
 
-def run_diloco(args, tok, batch_of, nodes, compression: str, sync_all: Optional[Callable] = None) -> dict:
-    """Inner steps run one peer after another (one CPU); the outer rounds run concurrently."""
-    from dtrain.swarm.averaging import GradientSwarm
-    from dtrain.swarm.diloco import DiLoCo, DiLoCoConfig
-    from dtrain.swarm.testing import run_concurrently
-
+def run_diloco(args, tok, batch_of, nodes, compression: str) -> dict:
+    """Inner steps run one miner after another (one CPU); the outer rounds run concurrently.
+    ``nodes`` None: average in-process (tuning)."""
     t0 = time.monotonic()
     n, b, H = args.peers, args.batch, args.diloco_h
-    inner = [make_trainer(tok, args.seq_len, args.steps, args.inner_lr, args.warmup, b, args.seed) for _ in range(n)]
-    dcfg = DiLoCoConfig(inner_steps=H, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, nesterov=True)
-    swarms = []
-    if sync_all is None:
-        cfg = _avg_cfg(f"conv_diloco_{compression}", n, compression)
-        swarms = [GradientSwarm(nd.dht, [torch.zeros_like(p) for p in tr.params], "conv-tiny", cfg, mode="diloco")
-                  for nd, tr in zip(nodes, inner)]
-    outers = [DiLoCo(tr.params, sw if swarms else None, dcfg) for tr, sw in
-              zip(inner, swarms or [None] * n)]
-    records: list = []
-    # cap: DiLoCo's weight is the samples since the last sync; accept anyone's full H steps
-    cap = float(b * H)
-    try:
-        for s in range(args.steps):
-            x = batch_of(s)
-            if args.inner_state == "reset" and args.inner_warmup > 0:
-                # Fresh moments make AdamW's first steps sign-sized: ramp each outer step's
-                # inner lr over its first inner_warmup steps, as mine does (replay.inner_lr_factor).
-                from dtrain.training.replay import inner_lr_factor
-
-                factor = inner_lr_factor(s % H, args.inner_warmup)
-                for tr in inner:
-                    tr.set_schedule_position(s)
-                    for group in tr.optimizer.param_groups:
-                        group["lr"] *= factor
-            for i, tr in enumerate(inner):
-                tr.train_step(x[i * b : (i + 1) * b])
-            last = (s + 1) % H == 0 or s + 1 == args.steps
-            if not last:
-                for o in outers:
-                    o.inner_step_done(samples=b, tokens=b * args.seq_len)
-                continue
-            for o in outers:  # count the step without triggering the sync yet
-                o.inner_steps_since_sync += 1
-                o.samples_since_sync += b
-                o.tokens_since_sync += b * args.seq_len
-            if sync_all is None:
-                recs = run_concurrently([lambda o=o: o.sync(cap=cap) for o in outers], timeout_s=600)
-            else:
-                recs = sync_all(outers)
-            records.extend(recs)
-            if args.inner_state == "reset":
-                for tr in inner:
-                    tr.reset_optimizer_state()
-    finally:
-        for sw in swarms:
-            sw.shutdown()
+    cfg = bench_config(args, "diloco", lr=args.inner_lr, compression=compression)
+    modes = make_modes(args, tok, cfg)
+    log = RoundLog()
+    swarms = swarms_for(cfg, nodes, modes, f"conv_diloco_{compression}") if nodes is not None else []
+    with tempfile.TemporaryDirectory(prefix="dtrain-conv-snapshots-") as snapshots:
+        for i, m in enumerate(modes):
+            m.open_store(Path(snapshots) / f"miner{i}")  # a miner keeps its snapshots; so do these
+        epoch = 0
+        try:
+            for m in modes:
+                m.start_epoch(epoch)
+            for s in range(args.steps):
+                x = batch_of(s)
+                for i, m in enumerate(modes):
+                    assert m.wants_data
+                    m.train_page(x[i * b:(i + 1) * b], page=s * n + i, counter=s % H, epoch=epoch)
+                if (s + 1) % H:
+                    continue
+                if swarms:
+                    swarm_round(modes, swarms, epoch=epoch, run_id=cfg.model.run_id, seq_len=args.seq_len, log=log)
+                else:
+                    in_process_round(modes, epoch=epoch, run_id=cfg.model.run_id, seq_len=args.seq_len, log=log)
+                epoch += 1
+                for m in modes:  # after every round, as a miner does
+                    m.start_epoch(epoch)
+        finally:
+            for sw in swarms:
+                sw.shutdown()
+    records = log.records
     bpt, per_round = _bytes(records)
-    rounds = len(records) // n
     return dict(
-        trainer=inner[0], records=records, rounds=rounds, failed_rounds=sum(_round_failed(r) for r in records),
-        replicas_identical=_identical(inner), bytes_per_token=bpt if swarms else None,
-        bytes_per_round=per_round if swarms else None, compression=compression,
-        bytes_source=(f"measured over all {rounds} real rounds x {n} peers ({compression} on the wire)"
-                      if swarms else "not measured (in-process averaging)"),
+        trainer=modes[0].trainer, records=records, replicas_identical=_identical(modes), **log.summary(),
+        bytes_per_token=bpt if records else None, bytes_per_round=per_round if records else None,
+        compression=compression,
+        bytes_source=(f"measured over all {len(log.attempts)} real rounds x {n} peers ({compression} on the wire)"
+                      if records else "not measured (in-process averaging)"),
         seconds=time.monotonic() - t0,
     )
-
-
-def in_process_sync(outers) -> list:
-    """Exact in-process mean of the peers' pseudo-gradients (tuning only: no wire, no bytes)."""
-    from dtrain.swarm.records import RoundRecord
-
-    pseudo = [o.pseudo_gradients() for o in outers]
-    avg = [torch.stack(ts).mean(0) for ts in zip(*pseudo)]
-
-    class _Mean:
-        def run_round(self, tensors, weight, cap, tokens=0, **_):
-            for t, a in zip(tensors, avg):
-                t.copy_(a)
-            return RoundRecord(round_id="local", local_peer_id="", started_at=time.time(), duration_s=0.0,
-                               fraction_averaged=1.0, tokens=tokens)
-
-    for o in outers:
-        o.swarm = _Mean()
-    return [o.sync() for o in outers]
 
 
 # ----------------------------------------------------------------------------- main
@@ -415,18 +476,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--inner-lr", type=float, default=3e-3, help="DiLoCo inner AdamW peak lr")
     ap.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then cosine to 0.1x")
     ap.add_argument("--diloco-h", type=int, default=100, help="DiLoCo inner steps per outer step (H)")
-    ap.add_argument("--outer-lr", type=float, default=0.7)
-    ap.add_argument("--outer-momentum", type=float, default=0.7)
-    ap.add_argument("--inner-state", choices=("reset", "keep"), default="keep",
-                    help="inner AdamW moments at each outer step: keep (DiLoCo paper) or reset (as mine does)")
-    ap.add_argument("--inner-warmup", type=int, default=0,
-                    help="with --inner-state reset: ramp the inner lr over this many steps of each outer step")
+    ap.add_argument("--outer-lr", type=float, default=None,
+                    help="override allreduce.outer_lr (marks the result production_diloco: false)")
+    ap.add_argument("--outer-momentum", type=float, default=None,
+                    help="override allreduce.outer_momentum (marks the result production_diloco: false)")
+    ap.add_argument("--inner-warmup", type=int, default=None,
+                    help="override allreduce.diloco_inner_warmup (marks the result production_diloco: false)")
     ap.add_argument("--per-step-rounds", type=int, default=10, help="per-step steps run as real rounds")
     ap.add_argument("--seed", type=int, default=0, help="model init and data order")
     ap.add_argument("--skip-diloco", action="store_true")
     ap.add_argument("--in-process", action="store_true",
                     help="tuning: average in-process, no swarm, no bytes (skips per-step rounds and 8-bit)")
     return ap
+
+
+def production_diloco(args) -> bool:
+    """Whether the DiLoCo set-ups run the schema's DiLoCo hyperparameters (what `dtrain mine` runs)."""
+    return args.outer_lr is None and args.outer_momentum is None and args.inner_warmup is None
 
 
 def main(argv=None) -> int:
@@ -452,9 +518,9 @@ def main(argv=None) -> int:
     runs["reference"] = run_reference(args, tok, batch_of)
     if args.in_process:
         if not args.skip_diloco:
-            runs["diloco"] = run_diloco(args, tok, batch_of, None, "none", sync_all=in_process_sync)
+            runs["diloco"] = run_diloco(args, tok, batch_of, None, "none")
     else:
-        from dtrain.swarm.testing import local_nodes
+        from dtrain.swarm.loopback import local_nodes
 
         with local_nodes(args.peers) as nodes:
             runs["per_step"] = run_per_step(args, tok, batch_of, nodes)
@@ -474,16 +540,19 @@ def main(argv=None) -> int:
                 s["round_errors"] = errors[:3]
         setups[name] = s
 
+    a = bench_config(args, "diloco", lr=args.inner_lr).allreduce
     tokens = args.steps * size * args.seq_len
     result: dict = dict(
         peers=args.peers, steps=args.steps, global_batch_sequences=size, seq_len=args.seq_len,
         tokens_trained=tokens, epochs=args.steps * size / pool.shape[0], eval_tokens=held_out.numel(),
         model="tiny preset (dtrain.training), shipped BPE tokenizer, shipped corpus",
+        production_diloco=production_diloco(args),
         hyperparameters=dict(
             lr=args.lr, inner_lr=args.inner_lr, warmup=args.warmup, schedule="linear warmup, cosine to 0.1x",
-            optimizer="AdamW betas (0.9, 0.95) wd 0.1 clip 1.0", diloco_h=args.diloco_h, outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum, outer="SGD Nesterov", inner_state=args.inner_state,
-            inner_warmup=args.inner_warmup,
+            optimizer="AdamW betas (0.9, 0.95) wd 0.1 clip 1.0", diloco_h=args.diloco_h, outer_lr=a.outer_lr,
+            outer_momentum=a.outer_momentum, outer="SGD Nesterov", inner_warmup=a.diloco_inner_warmup,
+            inner_state="fresh AdamW moments every epoch (as dtrain mine)", snapshot_every=a.diloco_snapshot_every,
+            aggregation=a.aggregation, work_commitments=True, max_attempts=MAX_ATTEMPTS,
             seed=args.seed, batch_per_peer=args.batch, per_step_rounds=args.per_step_rounds,
         ),
         in_process=args.in_process,
@@ -501,6 +570,7 @@ def main(argv=None) -> int:
             per_step_rounds=p["rounds"], mean_allreduce_s=p["mean_allreduce_s"],
         )
     result.update(summarize(setups))
+    result["all_rounds_first_attempt"] = all(s.get("first_attempt_ok", True) for s in setups.values())
     result["wall_seconds"] = time.monotonic() - t_start
 
     if args.json:

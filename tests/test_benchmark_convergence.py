@@ -107,4 +107,59 @@ def test_global_batch_same_tokens_for_every_setup(conv):
 def test_parser_defaults_are_the_documented_run(conv):
     args = conv.build_parser().parse_args([])
     assert args.diloco_h >= 100 and args.steps % args.diloco_h == 0 and args.steps // args.diloco_h >= 5
-    assert (args.outer_lr, args.outer_momentum, args.inner_state) == (0.7, 0.7, "keep")
+    assert (args.outer_lr, args.outer_momentum, args.inner_warmup) == (None, None, None)
+    assert not hasattr(args, "inner_state")  # the moments are always fresh each epoch, as in `dtrain mine`
+    assert conv.production_diloco(args)
+
+
+def test_diloco_runs_the_schemas_settings_unless_overridden(conv):
+    from dtrain.config import Config
+
+    schema = Config().allreduce
+    args = conv.build_parser().parse_args([])
+    cfg = conv.bench_config(args, "diloco", lr=args.inner_lr, compression="8bit")
+    a = cfg.allreduce
+    assert (a.mode, a.compression, a.diloco_inner_steps) == ("diloco", "8bit", args.diloco_h)
+    assert (a.outer_lr, a.outer_momentum, a.diloco_inner_warmup, a.diloco_snapshot_every, a.aggregation) == (
+        schema.outer_lr, schema.outer_momentum, schema.diloco_inner_warmup, schema.diloco_snapshot_every,
+        schema.aggregation)
+    assert a.aggregation == "centered_clip"
+    assert (cfg.training.lr, cfg.training.local_batch_size, cfg.training.total_steps) == (
+        args.inner_lr, args.batch, args.steps)
+    tuned = conv.build_parser().parse_args(["--outer-momentum", "0.7", "--inner-warmup", "10"])
+    assert not conv.production_diloco(tuned)
+    a = conv.bench_config(tuned, "diloco", lr=tuned.inner_lr).allreduce
+    assert (a.outer_lr, a.outer_momentum, a.diloco_inner_warmup) == (schema.outer_lr, 0.7, 10)
+
+
+def _rec(sent=100, received=60, tokens=10, fraction=1.0, error="", outcome="SUCCESS"):
+    from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
+
+    return RoundRecord(round_id="r", local_peer_id="a", started_at=0.0, duration_s=1.0, bytes_sent=sent,
+                       bytes_received=received, tokens=tokens, fraction_averaged=fraction, error=error,
+                       peers=[PeerResult(peer_id="a", outcome=Outcome(outcome))])
+
+
+def test_bytes_per_token_and_failed_rounds(conv):
+    import math
+
+    assert conv.bytes_per_token([_rec(), _rec(sent=40, received=0)]) == pytest.approx(200 / 20)
+    assert conv.bytes_per_token([_rec()], tokens=4) == pytest.approx(40.0)
+    assert math.isnan(conv.bytes_per_token([]))
+    assert not conv.round_failed(_rec())
+    assert conv.round_failed(_rec(error="no group formed"))
+    assert conv.round_failed(_rec(fraction=0.75))
+    assert conv.round_failed(_rec(outcome="FAIL"))
+
+
+def test_round_log_counts_retries(conv):
+    log = conv.RoundLog()
+    log.attempts += [1, 1]
+    log.records += [_rec(), _rec()]
+    assert log.summary() == dict(rounds=2, retried_rounds=0, attempts=2, failed_rounds=0, first_attempt_ok=True,
+                                 mean_round_s=1.0, max_round_s=1.0)
+    log.attempts.append(3)
+    log.failed = 1
+    summary = log.summary()
+    assert (summary["rounds"], summary["retried_rounds"], summary["attempts"]) == (3, 1, 5)
+    assert summary["failed_rounds"] == 1 and summary["first_attempt_ok"] is False

@@ -264,7 +264,7 @@ def test_a_report_of_the_other_averaging_mode_is_refused_in_the_gather(model):
     pages, nor a DiLoCo one a page list."""
     import numpy as np
 
-    from dtrain.swarm.contribution import Commitment
+    from dtrain.swarm.averaging.contribution import Commitment
 
     trajectory, _ = _train(_trainer(model), steps=2)
     claims = np.zeros((3, WORK_SKETCH_K), dtype="<f4")

@@ -2,7 +2,10 @@
 
 Each kind misbehaves in one way, so validator operators can watch the scoring catch it.
 They are subclasses of the honest :class:`~dtrain.neurons.miner.Miner` that override one
-of its seams; the honest code paths never ask which kind they are.
+of its seams; the honest code paths never ask which kind they are. A cheat that differs by
+training mode (``sandbagger``) brings its own subclasses of the modes (dtrain.modes),
+handed to ``build_workbench(modes=...)``, so neither the miner nor the cheat asks which mode
+it runs.
 
 Answering validators:
 
@@ -35,10 +38,12 @@ Enabled only by the hidden ``--adversary`` flag of ``dtrain mine``, never by con
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
+from dtrain.modes import DiLoCo, PerStep
 from dtrain.neurons.miner import Miner
 
 INFLATED_WEIGHT = 1e6
@@ -92,16 +97,15 @@ class _AlteredContribution(AdversarialMiner):
         raise NotImplementedError
 
     def _contribution(self, samples, weight_cap):
-        mean, weight, report = super()._contribution(samples, weight_cap)
-        return self.alter(mean), weight, report
+        honest = super()._contribution(samples, weight_cap)
+        return dataclasses.replace(honest, tensors=self.alter(honest.tensors))
 
 
 class InflatedWeight(AdversarialMiner):
     kind = "inflated-weight"
 
     def _contribution(self, samples, weight_cap):
-        mean, _, report = super()._contribution(samples, weight_cap)
-        return mean, INFLATED_WEIGHT, report
+        return dataclasses.replace(super()._contribution(samples, weight_cap), weight=INFLATED_WEIGHT)
 
 
 class Poisoner(_AlteredContribution):
@@ -156,49 +160,79 @@ class Replay(_AlteredContribution):
 
 
 class Sandbagger(AdversarialMiner):
-    """Trains one page, claims a full local batch with a made-up work report."""
+    """Trains one page (one inner step in DiLoCo), claims a full contribution with a made-up
+    work report: the sandbagging modes below do the training and the making up."""
 
     kind = "sandbagger"
 
-    def _wants_more_data(self) -> bool:
-        if self.inner is not None:  # DiLoCo: one real inner step
-            return self.trajectory.steps_done < 1 and super()._wants_more_data()
-        return self.trainer.accumulated_samples < self.cfg.data.page_sequences and super()._wants_more_data()
+    def _build_workbench(self):
+        from dtrain.neurons import runtime
 
-    def _contribution(self, samples, weight_cap):
+        # the modes read this miner's uid and epoch when they make up a report (both are known
+        # only once it runs)
+        modes = {"gradient": functools.partial(_SandbaggingPerStep, miner=self),
+                 "diloco": functools.partial(_SandbaggingDiLoCo, miner=self)}
+        return runtime.build_workbench(self.cfg, modes=modes)
+
+
+class _SandbaggingPerStep(PerStep):
+    """Trains one page of its local batch and commits a report naming the whole batch: the
+    right page ids, each with the sketch of the real page's share of what it sends."""
+
+    def __init__(self, *args, miner, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.miner = miner
+
+    @property
+    def wants_data(self) -> bool:
+        return self.trainer.accumulated_samples < self.settings.page_sequences and super().wants_data
+
+    def contribution(self, samples, weight_cap):
+        from dtrain.modes import Contribution
         from dtrain.training.data import assign_pages
         from dtrain.training.work import PageWork, WorkReport
 
-        if self.inner is not None:
-            return self._made_up_trajectory(samples, weight_cap)
-        mean, _, real = super()._contribution(samples, weight_cap)
-        per_page = self.cfg.data.page_sequences
-        count = max(1, self.cfg.training.local_batch_size // per_page)
+        honest = super().contribution(samples, weight_cap)
+        real = honest.report
+        per_page = self.settings.page_sequences
+        count = max(1, self.settings.local_batch_size // per_page)
         if not real.pages:
-            return mean, 0.0, real
+            return dataclasses.replace(honest, weight=0.0)
         # every page "contributes" the same sketch, so the report's mean matches what is sent
-        mean_sketch = real.mean_sketch()
-        sketch = tuple(v * per_page for v in mean_sketch)
-        pages = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, page_counter=0,
-                             count=count, num_pages=self.bench.reader.num_pages)
+        sketch = tuple(v * per_page for v in real.mean_sketch())
+        pages = assign_pages(run_id=self.settings.run_id, uid=self.miner.uid, epoch=self.miner.epoch, page_counter=0,
+                             count=count, num_pages=self.reader.num_pages)
         fake = tuple(PageWork(page=p, counter=i, samples=per_page, loss=real.pages[0].loss, sketch=sketch)
                      for i, p in enumerate(pages))
         report = WorkReport(epoch=real.epoch, pages=fake)
-        return mean, float(min(report.samples, weight_cap)), report
+        return Contribution(honest.tensors, float(min(report.samples, weight_cap)), report)
 
-    def _made_up_trajectory(self, samples, weight_cap):
-        """DiLoCo: one real inner step passed off as H, each "step" repeating the real one's
-        update, with the pseudo-gradient scaled to match (so the binding rule holds)."""
+
+class _SandbaggingDiLoCo(DiLoCo):
+    """One real inner step passed off as H, each "step" repeating the real one's update, with
+    the pseudo-gradient scaled to match (so the binding rule holds)."""
+
+    def __init__(self, *args, miner, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.miner = miner
+
+    @property
+    def wants_data(self) -> bool:
+        return self.trajectory.steps_done < 1 and super().wants_data
+
+    def contribution(self, samples, weight_cap):
+        from dtrain.modes import Contribution
         from dtrain.training.data import assign_pages
         from dtrain.training.trajectory import InnerStepWork, SnapshotCommit, TrajectoryReport
 
-        pseudo, _, real = super()._contribution(samples, weight_cap)
+        honest = super().contribution(samples, weight_cap)
+        real = honest.report
         if not real.steps:
-            return pseudo, 0.0, real
-        H, one = self.cfg.allreduce.diloco_inner_steps, real.steps[0]
+            return dataclasses.replace(honest, weight=0.0)
+        H, one = self.settings.inner_steps, real.steps[0]
         n = len(one.pages)
-        pages = assign_pages(run_id=self.bench.run_id, uid=self.uid, epoch=self.epoch, page_counter=0,
-                             count=H * n, num_pages=self.bench.reader.num_pages)
+        pages = assign_pages(run_id=self.settings.run_id, uid=self.miner.uid, epoch=self.miner.epoch, page_counter=0,
+                             count=H * n, num_pages=self.reader.num_pages)
         steps = tuple(InnerStepWork(counters=tuple(range(i * n, (i + 1) * n)), pages=tuple(pages[i * n:(i + 1) * n]),
                                     samples=one.samples, loss=one.loss, sketch=one.sketch, grad_sketch=one.grad_sketch)
                       for i in range(H))
@@ -206,7 +240,7 @@ class Sandbagger(AdversarialMiner):
         snaps = tuple(SnapshotCommit(step=s, exp_avg=first.exp_avg, exp_avg_sq=first.exp_avg_sq)
                       for s in range(0, H, real.every))
         report = TrajectoryReport(epoch=real.epoch, every=real.every, start=real.start, steps=steps, snapshots=snaps)
-        return [t * H for t in pseudo], float(min(report.samples, weight_cap)), report
+        return Contribution([t * H for t in honest.tensors], float(min(report.samples, weight_cap)), report)
 
 
 class WrongPages(AdversarialMiner):
@@ -224,14 +258,10 @@ class FusedAdamW(AdversarialMiner):
     kind = "fused-adamw"
 
     def _build_workbench(self):
-        from dtrain.training.trainer import Trainer
+        from dtrain.neurons import runtime
 
-        bench = super()._build_workbench()
-        if bench.inner is not None:  # DiLoCo: the local AdamW steps are the inner trainer's
-            inner = Trainer(bench.inner.model, dataclasses.replace(bench.inner.config, fused=True))
-            return dataclasses.replace(bench, inner=inner)
-        trainer = Trainer(bench.model, dataclasses.replace(bench.trainer.config, fused=True))
-        return dataclasses.replace(bench, trainer=trainer)
+        # the local AdamW steps (DiLoCo: the inner copy's) on the fused kernel
+        return runtime.build_workbench(self.cfg, fused=True)
 
 
 MINERS = {cls.kind: cls for cls in (Lazy, WrongModel, Copycat, Freeloader, InflatedWeight, Poisoner, SignFlip, Zero,

@@ -167,7 +167,7 @@ class NeuronBase:
                 self.node.dht, [p.detach() for p in self.trainer.params], self.bench.swarm_fingerprint,
                 runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
                 # Peers that fall behind download parameters, optimizer moments and counters from us.
-                state_provider=self._shared_state, mode=self.cfg.allreduce.mode,
+                state_provider=self._shared_state, mode=self.bench.mode.name,
             )
         except BaseException as exc:
             if getattr(self, "node", None) is not None:  # no swarm yet: teardown would leave p2pd running
@@ -236,20 +236,15 @@ class NeuronBase:
         self.tel.update(peers_seen=self.node.num_known_peers())
 
     def _apply_round(self, record, averaged):
-        """Take the optimizer step every peer of a successful round takes; return its StepMetrics.
-
-        ``averaged`` holds the round's mean gradient; every peer that averaged the same bits
-        applies the same step, so the replicas stay identical. Returns None (and changes
-        nothing) when the round failed or its result is not finite.
+        """Take the step every peer of a successful round takes (the mode's: the optimizer step
+        with the mean gradient, or DiLoCo's outer step) and move to the next epoch; return its
+        StepMetrics. Returns None (and changes nothing) when the round failed or its result is
+        not finite.
         """
-        import torch
-
-        if not record.ok or not all(bool(torch.isfinite(t).all()) for t in averaged):
-            return None
         with self.model_lock:
-            params = self.trainer.params
-            self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(averaged, params)], num_samples=1)
-            metrics = self.trainer.step()
+            metrics = self.bench.mode.apply_average(record, averaged)
+            if metrics is None:
+                return None
             self.epoch += 1
             self.trainer.counters.epoch = self.epoch
             self._refresh_digest()

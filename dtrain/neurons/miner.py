@@ -7,15 +7,13 @@ Threads:
 - the API server's threads authenticate requests and queue jobs (``JobQueue``);
 - the model-store pusher uploads in the background, so training never waits on it.
 
-Rounds are started by validators (``POST /v1/allreduce``): the miner averages its
-accumulated mean gradient, weighted by its sample count, applies the same optimizer
-step as every other peer, advances its epoch, checkpoints and pushes.
+Rounds are started by validators (``POST /v1/allreduce``): the miner puts its contribution
+into the round, weighted by its sample count, applies the same step as every other peer,
+advances its epoch, checkpoints and pushes.
 
-In DiLoCo mode (``allreduce.mode = "diloco"``) the model of ``self.trainer`` is the shared
-replica (the epoch's anchor, moved only by the outer Nesterov step), and ``self.inner``, a
-second copy, takes up to H local AdamW steps from it on the miner's pages, recording each in
-a trajectory report and keeping snapshots for validators' replays. A round averages
-``anchor - inner parameters``; after the outer step the inner copy restarts from the new anchor.
+What is trained between rounds, what a contribution is and what step a round takes belong to
+the training mode (``self.bench.mode``, dtrain.modes: per-step gradients or DiLoCo); the
+miner asks it and never which mode it is. ``self.trainer`` is the shared replica in both.
 """
 
 from __future__ import annotations
@@ -67,10 +65,6 @@ class Miner(NeuronBase):
         self._card_round: dict | None = None
         self._data_retry_at = 0.0
         self.server = self.pusher = self.node = self.swarm = None
-        # DiLoCo only (see the module docstring): the inner trainer, its trajectory, its snapshots
-        # and the (counter, page) pairs of the inner step being accumulated.
-        self.inner = self.trajectory = self.snapshots = None
-        self._step_pages: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -97,19 +91,10 @@ class Miner(NeuronBase):
         self.dir = node_dir(cfg, "miner", self.hotkey)
         self.tel.update(uid=self.uid)
         self.trainer = self.bench.trainer
-        from dtrain.training.work import WorkLog
-
-        self.work = WorkLog(self.bench.run_id)
         if self._resume(uid=self.uid):
             self.tel.event(f"resumed from checkpoint at epoch {self.epoch}, step {self.trainer.counters.inner_step}")
-        if self.bench.inner is not None:
-            from dtrain.training.snapshots import SnapshotStore
-            from dtrain.training.trajectory import TrajectoryLog
-
-            self.inner = self.bench.inner
-            self.trajectory = TrajectoryLog(self.bench.run_id, self.cfg.allreduce.diloco_snapshot_every)
-            self.snapshots = SnapshotStore(self.dir / "snapshots")
-            self._start_outer_step()
+        self.bench.mode.open_store(self.dir / "snapshots")
+        self._start_epoch()
         self.tel.event(f"model {cfg.model.preset}: {self.bench.param_count:,} parameters, "
                        f"tokenizer {self.bench.tokenizer_info.name}, fingerprint {self.bench.fingerprint[:12]}")
 
@@ -134,7 +119,7 @@ class Miner(NeuronBase):
         from dtrain.api.messages import QueryLimits
         from dtrain.api.server import Handlers, MinerApiServer
         from dtrain.chain.permits import ValidatorPermits
-        from dtrain.neurons.deadlines import max_accepted_deadline_s
+        from dtrain.swarm.deadlines import max_accepted_deadline_s
 
         a = self.cfg.api
         self.server = MinerApiServer(
@@ -225,19 +210,17 @@ class Miner(NeuronBase):
             if self._post_round:
                 # After the validator has its answer: disk work never delays a round's reply.
                 self._post_round = False
-                if self.inner is not None and self._pending_catch_up is None:
-                    # the outer step moved the anchor: the inner steps restart from it (a
-                    # snapshot: 12 bytes per parameter written; a catch-up below restarts anyway)
-                    self._start_outer_step()
+                # The round moved the shared replica: local training restarts from it. Always,
+                # even with a catch-up pending below: that catch-up may fail, and DiLoCo's inner
+                # copy must never go on from an anchor the swarm has left.
+                self._start_epoch()
                 if self.epoch % self.cfg.miner.checkpoint_every == 0:
                     self._checkpoint()
                 self._push()
             if self._pending_catch_up is not None:
                 target, self._pending_catch_up = self._pending_catch_up, None
                 if self._catch_up(target):
-                    self.page_counter = 0
-                    if self.inner is not None:
-                        self._start_outer_step()  # inner steps from the old anchor no longer fit
+                    self._start_epoch()  # local training from the old replica no longer fits
                     self._checkpoint()
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
@@ -285,27 +268,12 @@ class Miner(NeuronBase):
         return True
 
     def _contribution(self, samples: int, weight_cap: float):
-        """(mean gradient, weight, work report) this miner puts into a round.
-
-        Peers exchange *mean* gradients weighted by sample counts; the trainer keeps sums. An
-        honest miner never claims more than the cap it was told (a claim above it would read
-        as inflation) nor more than the samples its work report commits to.
-        """
-        if self.inner is not None:
-            # DiLoCo: the pseudo-gradient, anchor - parameters after the inner steps (sign of a gradient).
-            pseudo = [(a.detach().float() - p.detach().float()).cpu()
-                      for a, p in zip(self.trainer.params, self.inner.params)]
-            report = self.trajectory.report()
-            return pseudo, float(min(samples, report.samples, weight_cap)), report
-        mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
-        report = self.work.report()
-        return mean, float(min(samples, report.samples, weight_cap)), report
+        """The mode's Contribution (tensors, weight, work report) this miner puts into a round."""
+        return self.bench.mode.contribution(samples, weight_cap)
 
     def _samples_this_epoch(self) -> int:
         """Samples this miner's contribution to the next round stands for."""
-        if self.inner is not None:
-            return self.trajectory.samples
-        return self.trainer.accumulated_samples
+        return self.bench.mode.samples
 
     def _read_own_page(self, page: list[int]):
         """The tokens of one of this miner's own pages."""
@@ -314,9 +282,14 @@ class Miner(NeuronBase):
     def _wants_more_data(self) -> bool:
         if time.monotonic() < self._data_retry_at:
             return False
-        if self.inner is not None:
-            return self.trajectory.steps_done < self.cfg.allreduce.diloco_inner_steps
-        return self.trainer.accumulated_samples < self.cfg.training.local_batch_size
+        return self.bench.mode.wants_data
+
+    def _start_epoch(self) -> None:
+        """Begin the epoch's local training from the shared replica (a new epoch, a resume or a
+        catch-up); page counters restart with each epoch's fresh permutation."""
+        with self.model_lock:
+            self.bench.mode.start_epoch(self.epoch)
+            self.page_counter = 0
 
     def _train_own_page(self) -> None:
         from dtrain.training.data import assign_pages
@@ -333,90 +306,27 @@ class Miner(NeuronBase):
             self.page_counter += 1
             self._data_retry_at = time.monotonic() + DATA_RETRY_S
             return
-        if self.inner is not None:
-            self._train_inner_page(page[0], tokens_in, t0)
-            return
         with self.model_lock:
-            if self.trainer.accumulated_samples == 0:
-                self.work.reset(self.epoch)  # a new accumulation: a new work report
-            results = self.trainer.accumulate(tokens_in)
-            # The page's sketch is the change in the accumulated gradient's sketch (linear).
-            self.work.record(page=page[0], counter=self.page_counter, samples=sum(r.samples for r in results),
-                             loss=_page_loss(results), gradients=self.trainer.gradients())
-        elapsed = max(time.perf_counter() - t0, 1e-9)
-        self.page_counter += 1
-        tokens = sum(r.samples for r in results) * self.cfg.model.seq_len
-        loss = sum(r.loss for r in results) / len(results)
-        self._last_loss = loss
-        self.tel.train_metrics(loss=loss, tokens_per_s=tokens / elapsed, lr=self.trainer.lr,
-                               epoch=self.epoch, inner_step=self.trainer.counters.inner_step,
-                               samples=self.trainer.counters.samples, tokens=self.trainer.counters.tokens,
-                               samples_accumulated=self.trainer.accumulated_samples,
-                               local_batch=self.cfg.training.local_batch_size)
-
-    # ------------------------------------------------------------------ DiLoCo inner loop
-
-    def _start_outer_step(self) -> None:
-        """Restart the inner copy from the shared parameters with fresh moments (a new epoch,
-        a resume or a catch-up): the trajectory a validator can replay begins here."""
-        with self.model_lock:
-            self.inner.copy_parameters_from(self.trainer.params)
-            self.inner.reset_optimizer_state()
-            self.trajectory.start(self.epoch, self.inner.params)
-            self._step_pages = []
-            self.page_counter = 0
-            self._keep_snapshot()
-        self.snapshots.prune(self.epoch)
-
-    def _keep_snapshot(self) -> None:
-        """Store the inner state now and commit its moments' sketches (caller holds model_lock)."""
-        from dtrain.training import snapshots
-
-        params, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
-        self.snapshots.save(self.epoch, self.trajectory.steps_done, snapshots.encode(params, exp_avg, exp_avg_sq))
-        self.trajectory.record_snapshot(exp_avg, exp_avg_sq)
-
-    def _train_inner_page(self, page: int, tokens_in, t0: float) -> None:
-        """Add one own page to the inner step; take the step once the local batch is full."""
-        from dtrain.training.replay import position_inner_lr
-
-        H = self.cfg.allreduce.diloco_inner_steps
-        metrics = None
-        with self.model_lock:
-            results = self.inner.accumulate(tokens_in)
-            self._step_pages.append((self.page_counter, page))
-            if self.inner.local_batch_full:
-                samples = self.inner.accumulated_samples
-                grad_sketch = self.trajectory.gradient_sketch(self.inner.gradients())
-                position_inner_lr(self.inner, epoch=self.epoch, inner_steps=H, step_index=self.trajectory.steps_done,
-                                  warmup=self.cfg.allreduce.diloco_inner_warmup)
-                metrics = self.inner.step()
-                self.trajectory.record_step(counters=[c for c, _ in self._step_pages],
-                                            pages=[p for _, p in self._step_pages], samples=samples,
-                                            loss=metrics.loss, params=self.inner.params, grad_sketch=grad_sketch)
-                self._step_pages = []
-                if self.trajectory.snapshot_due() and self.trajectory.steps_done < H:
-                    self._keep_snapshot()
+            trained = self.bench.mode.train_page(tokens_in, page=page[0], counter=self.page_counter, epoch=self.epoch)
+            progress = self.bench.mode.progress()
         self.page_counter += 1
         elapsed = max(time.perf_counter() - t0, 1e-9)
-        loss = metrics.loss if metrics is not None else sum(r.loss for r in results) / len(results)
-        self._last_loss = loss
-        tokens = sum(r.samples for r in results) * self.cfg.model.seq_len
-        self.tel.train_metrics(loss=loss, tokens_per_s=tokens / elapsed, lr=self.inner.lr, epoch=self.epoch,
-                               inner_step=self.trajectory.steps_done, samples=self.inner.counters.samples,
-                               tokens=self.inner.counters.tokens,
-                               samples_accumulated=self.trajectory.samples + self.inner.accumulated_samples,
-                               local_batch=self.cfg.training.local_batch_size * H)
+        self._last_loss = trained.loss
+        self.tel.train_metrics(loss=trained.loss, tokens_per_s=trained.samples * self.cfg.model.seq_len / elapsed,
+                               lr=progress.lr, epoch=self.epoch, inner_step=progress.inner_step,
+                               samples=progress.samples, tokens=progress.tokens,
+                               samples_accumulated=progress.samples_accumulated, local_batch=progress.local_batch)
 
     # ------------------------------------------------------------------ API handlers (server threads)
 
     def _status(self) -> StatusResponse:
         snap = self.tel.snapshot()
         loss = snap.loss if snap.loss is not None and math.isfinite(snap.loss) else None
+        progress = self.bench.mode.progress()
         return StatusResponse(
             version=__version__, uid=self.uid, epoch=self.epoch, kind="miner",
-            samples=(self.inner or self.trainer).counters.samples, samples_accumulated=self._samples_this_epoch(),
-            inner_step=self.trajectory.steps_done if self.inner is not None else self.trainer.counters.inner_step,
+            samples=progress.samples, samples_accumulated=self._samples_this_epoch(),
+            inner_step=progress.inner_step,
             model_fingerprint=self.bench.fingerprint,
             swarm_fingerprint=self.bench.swarm_fingerprint, params_digest=self._digest, peer_id=self.node.peer_id, maddrs=tuple(self._maddrs), loss=loss,
             state=snap.state,
@@ -489,7 +399,8 @@ class Miner(NeuronBase):
         round_epoch = self.epoch
         samples = self._samples_this_epoch()
         with self.model_lock:
-            mean, weight, report = self._contribution(samples, request.weight_cap)
+            contribution = self._contribution(samples, request.weight_cap)
+        mean, weight, report = contribution.tensors, contribution.weight, contribution.report
         # With per-peer caps, a peer the validator did not list (it did not verify it) gets none.
         peer_caps = request.weight_caps or {}
         default_cap = 0.0 if peer_caps else request.weight_cap
@@ -531,10 +442,8 @@ class Miner(NeuronBase):
             from dtrain.api.server import HandlerError
             from dtrain.training.snapshots import SnapshotError
 
-            if self.snapshots is None:
-                raise HandlerError(404, "this miner keeps no DiLoCo snapshots (allreduce.mode is not diloco)")
             try:
-                return self.snapshots.read(snapshot[0], snapshot[1], offset, length)
+                return self.bench.mode.snapshot(snapshot[0], snapshot[1], offset, length)
             except SnapshotError as exc:
                 raise HandlerError(404, str(exc)) from None
         with self.model_lock:
@@ -604,9 +513,3 @@ class Miner(NeuronBase):
             if st.last_success_tag:
                 self.tel.update(last_push=st.last_success_tag)
         self._write_status()
-
-
-def _page_loss(results) -> float:
-    """Sample-weighted mean loss of a page's micro-batches."""
-    n = sum(r.samples for r in results)
-    return sum(r.loss * r.samples for r in results) / n if n else float("nan")

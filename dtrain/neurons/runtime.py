@@ -26,17 +26,17 @@ class NeuronError(Exception):
 
 @dataclass
 class Workbench:
-    """Model, tokenizer, data pages and trainer of one neuron."""
+    """Model, tokenizer, data pages, trainer and training mode of one neuron."""
 
     model: Any
-    trainer: Any
+    trainer: Any  # the shared replica (mode.trainer): rounds average into it, checkpoints hold it
     reader: Any
     tokenizer_info: Any
     fingerprint: str  # the model's architecture and shapes (checkpoints are checked against it)
     swarm_fingerprint: str  # the model fingerprint plus every swarm-wide setting (the swarm's identity)
     run_id: str
     param_count: int
-    inner: Any = None  # DiLoCo: the trainer of the local (inner) steps; None in per-step mode
+    mode: Any  # dtrain.modes.Mode: what is trained, contributed, applied and audited (allreduce.mode)
 
 
 def node_dir(cfg: Config, role: str, hotkey: str) -> Path:
@@ -192,40 +192,6 @@ def retry_data(fn, *, stop, on_retry=None, base_delay: float = 2.0, max_delay: f
     return True, result
 
 
-def trainer_config(cfg: Config, device: str):
-    from dtrain.training.trainer import TrainerConfig
-
-    return TrainerConfig(
-        micro_batch_size=cfg.training.micro_batch_size,
-        local_batch_size=cfg.training.local_batch_size,
-        optimizer=cfg.training.optimizer,
-        lr=cfg.training.lr,
-        weight_decay=cfg.training.weight_decay,
-        warmup_steps=cfg.training.warmup_steps,
-        total_steps=cfg.training.total_steps,
-        grad_clip=cfg.training.grad_clip or None,
-        precision=cfg.training.precision,
-        device=device,
-    )
-
-
-def is_diloco(cfg: Config) -> bool:
-    return cfg.allreduce.mode == "diloco"
-
-
-def outer_trainer_config(cfg: Config, device: str):
-    """DiLoCo's shared replica: the parameters every peer holds at an epoch (the anchor), moved
-    only by the outer step: SGD with Nesterov momentum at a constant rate, no clipping and no
-    weight decay (both belong to the inner AdamW steps)."""
-    from dtrain.training.trainer import TrainerConfig
-
-    return TrainerConfig(
-        micro_batch_size=cfg.training.micro_batch_size, local_batch_size=cfg.training.local_batch_size,
-        optimizer="nesterov", lr=cfg.allreduce.outer_lr, momentum=cfg.allreduce.outer_momentum, weight_decay=0.0,
-        warmup_steps=0, total_steps=1, min_lr_ratio=1.0, grad_clip=None, precision=cfg.training.precision,
-        device=device)
-
-
 def build_model(cfg: Config, tokenizer_info, *, n_positions: int | None = None):
     """The configured model with its initial weights: the Hub checkpoint named by
     ``model.hub_id``, else the preset initialised from a seed derived from the run id."""
@@ -249,32 +215,30 @@ def build_model(cfg: Config, tokenizer_info, *, n_positions: int | None = None):
                         n_positions=n_positions or max(cfg.model.seq_len, 1), seed=seed)
 
 
-def build_workbench(cfg: Config, *, n_positions: int | None = None) -> Workbench:
-    """Model + tokenizer + page reader + trainer, identical on every honest peer.
+def build_workbench(cfg: Config, *, n_positions: int | None = None, fused: bool | None = None,
+                    modes=None) -> Workbench:
+    """Model + tokenizer + page reader + training mode, identical on every honest peer.
 
-    ``n_positions`` overrides the architecture; only the wrong-model adversary uses it.
+    ``n_positions`` overrides the architecture, ``fused`` the local AdamW kernel, ``modes``
+    the mode classes (dtrain.modes.build_mode): only the cheating miners of
+    dtrain.neurons.adversary use them.
     """
+    from dtrain.modes import UnknownMode, build_mode
     from dtrain.training.data import PageReader, PageSpec
     from dtrain.training.models import count_parameters, model_fingerprint
-    from dtrain.training.trainer import Trainer
 
     tokenizer, info = load_tokenizer_for(cfg)  # warns itself when it falls back
     model = build_model(cfg, info, n_positions=n_positions)
     device = resolve_device(cfg)
-    inner = None
-    if is_diloco(cfg):
-        import copy
-
-        # The shared replica (the anchor) answers Train challenges, serves state slices and takes
-        # the outer step; the inner trainer, a second copy, takes the local AdamW steps.
-        trainer = Trainer(model, outer_trainer_config(cfg, device))
-        inner = Trainer(copy.deepcopy(trainer.model), trainer_config(cfg, device))
-    else:
-        trainer = Trainer(model, trainer_config(cfg, device))
     reader = PageReader(data_source_for(cfg), tokenizer, PageSpec(seq_len=cfg.model.seq_len,
                                                                    page_sequences=cfg.data.page_sequences))
+    try:
+        mode = build_mode(cfg, model, device, reader, fused=fused, modes=modes)
+    except UnknownMode as exc:
+        raise NeuronError(str(exc)) from None
+    trainer = mode.trainer
     model_fp = model_fingerprint(trainer.model)
-    return Workbench(model=trainer.model, trainer=trainer, inner=inner, reader=reader, tokenizer_info=info,
+    return Workbench(model=trainer.model, trainer=trainer, mode=mode, reader=reader, tokenizer_info=info,
                      fingerprint=model_fp,
                      swarm_fingerprint=swarm_fingerprint(cfg, model_fp, tokenizer_digest=info.digest),
                      run_id=cfg.model.run_id, param_count=count_parameters(trainer.model))
@@ -296,7 +260,7 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
     import json
 
     from dtrain.config import swarm_settings
-    from dtrain.swarm.compat import wire_format
+    from dtrain.swarm.codecs import wire_format
     from dtrain.training.data import ASSIGNMENT_VERSION, MAX_UIDS
     from dtrain.training.fingerprint import FINGERPRINT_VERSION
 
@@ -328,30 +292,14 @@ def _local_data_identity(cfg: Config):
 
 
 def averaging_config(cfg: Config, log_path: Path | None):
-    from dtrain.neurons.deadlines import matchmaking_timeout_s
-    from dtrain.swarm.averaging import AveragingConfig
+    # one mapping of [allreduce] onto the swarm's settings, owned by the swarm (its defaults are the schema's)
+    from dtrain.swarm.averaging.settings import settings_from
 
-    a = cfg.allreduce
-    return AveragingConfig(
-        prefix=f"dtrain-{cfg.model.run_id}",
-        min_group_size=a.min_group_size,
-        target_group_size=a.target_group_size,
-        min_matchmaking_time_s=a.matchmaking_time,
-        request_timeout_s=a.request_timeout,
-        allreduce_timeout_s=a.allreduce_timeout,
-        sender_timeout_s=min(a.allreduce_timeout, max(5.0, a.allreduce_timeout / 4)),
-        matchmaking_timeout_s=matchmaking_timeout_s(a),
-        compression=a.compression,
-        log_path=str(log_path) if log_path else None,
-        # neurons always bind contributions to work (docs/protocol.md, "Work commitments")
-        require_commitments=True,
-        aggregation=a.aggregation,
-    )
+    return settings_from(cfg, log_path)
 
 
 def swarm_node_config(cfg: Config, data_dir: Path, initial_peers: list[str]):
-    from dtrain.swarm.node import NodeConfig
-
+    from dtrain.swarm.node import SwarmNodeConfig
     from dtrain.swarm.reachability import AddressError, fixed_port_host_maddrs
 
     peers = list(dict.fromkeys([*cfg.allreduce.initial_peers, *initial_peers]))
@@ -368,8 +316,8 @@ def swarm_node_config(cfg: Config, data_dir: Path, initial_peers: list[str]):
         if fixed is not None:
             log.info("listening on %s, the port announced in allreduce.announce_maddrs", ", ".join(fixed))
             host_maddrs = fixed
-    return NodeConfig(data_dir=str(data_dir), initial_peers=peers, host_maddrs=host_maddrs,
-                      announce_maddrs=announce, bootstrap_timeout_s=5.0)
+    return SwarmNodeConfig(data_dir=str(data_dir), initial_peers=peers, host_maddrs=host_maddrs,
+                           announce_maddrs=announce, bootstrap_timeout_s=5.0)
 
 
 def params_digest(trainer) -> str:

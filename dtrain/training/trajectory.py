@@ -16,7 +16,7 @@ commits in the round's gather, before any validator chooses what to check:
 
 Sketches are linear, so the pseudo-gradient's sketch is ``sum(u_t)`` (``contribution_sketch``):
 the same binding rule as per-step mode ties what a miner sends to what it committed
-(``dtrain.swarm.contribution``). A validator then replays one randomly chosen stretch from
+(``dtrain.swarm.averaging.contribution``). A validator then replays one randomly chosen stretch from
 the snapshot before it (Proof-of-Learning's segment replay) and compares both sketches of
 every replayed step (docs/protocol.md, "DiLoCo"). The gradient's sketch is what tells data
 apart: an AdamW update is mostly the momentum carried in, so two steps from the same state

@@ -1,0 +1,258 @@
+"""DiLoCo mode (``allreduce.mode = "diloco"``): H local steps, then one averaged pseudo-gradient
+and one outer Nesterov step.
+
+Two copies of the model:
+
+- the shared replica (``trainer``, the epoch's *anchor*), moved only by the outer step: SGD
+  with Nesterov momentum at a constant rate, no clipping, no weight decay. Rounds average
+  into it exactly as in per-step mode, so catch-up, checkpoints, state slices and Train
+  challenges all refer to the anchor;
+- the inner copy (``inner``), which restarts from the anchor with fresh AdamW moments every
+  epoch (:meth:`DiLoCo.start_epoch`) and takes up to H steps on the miner's own pages, each
+  recorded in a trajectory report (``dtrain.training.trajectory``), with a snapshot kept
+  every ``diloco_snapshot_every`` steps for validators' replays.
+
+A round averages ``anchor - inner parameters`` (the sign of a gradient); every peer then takes
+the same outer step on the same anchor, so the replicas, and the outer momentum, stay
+identical. A failed round changes nothing: the inner steps wait for the next one.
+
+A validator audits a trajectory by its shape, its page ids and its start (this epoch's
+anchor), then replays one randomly chosen stretch of it from the snapshot before it
+(:meth:`DiLoCo.audit`; every decision is ``dtrain.validation.verification``'s).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from dtrain.modes.base import AuditRequest, Contribution, Mode, ModeSettings, PageTrained, Progress
+
+# A snapshot is downloaded in pieces of this size (the miner's per-request limit is 64 MiB).
+SNAPSHOT_CHUNK = 16 << 20
+# The whole download must finish within SNAPSHOT_FIXED_S plus its size at SNAPSHOT_MIN_RATE
+# (4 MiB/s, 34 Mbit/s: about 6 min for gpt2-124m's 1.5 GB): audits run one miner after
+# another before the round's step, so a miner must not be able to stall them chunk by chunk.
+SNAPSHOT_FIXED_S, SNAPSHOT_MIN_RATE = 30.0, 4 << 20
+
+
+def outer_trainer_config(settings: ModeSettings, device: str):
+    """The anchor's optimizer: SGD with Nesterov momentum at a constant rate, no clipping and
+    no weight decay (both belong to the inner AdamW steps)."""
+    from dtrain.training.trainer import TrainerConfig
+
+    return TrainerConfig(
+        micro_batch_size=settings.micro_batch_size, local_batch_size=settings.local_batch_size,
+        optimizer="nesterov", lr=settings.outer_lr, momentum=settings.outer_momentum, weight_decay=0.0,
+        warmup_steps=0, total_steps=1, min_lr_ratio=1.0, grad_clip=None, precision=settings.precision,
+        device=device)
+
+
+class DiLoCo(Mode):
+    name = "diloco"
+
+    def __init__(self, settings: ModeSettings, model, device: str, reader, *, fused: bool | None = None):
+        from dtrain.training.trainer import Trainer
+        from dtrain.training.trajectory import TrajectoryLog
+
+        anchor = Trainer(model, outer_trainer_config(settings, device))
+        super().__init__(settings, anchor, reader)
+        self.inner = Trainer(copy.deepcopy(anchor.model), settings.local_trainer_config(device, fused))
+        self.trajectory = TrajectoryLog(settings.run_id, settings.snapshot_every)
+        self._step_pages: list[tuple[int, int]] = []  # (counter, page) of the inner step being accumulated
+
+    # ---------------------------------------------------------------- training
+
+    def start_epoch(self, epoch: int) -> None:
+        """Restart the inner copy from the anchor with fresh moments: the trajectory a validator
+        can replay begins here. A snapshot of it (12 bytes per parameter) is written."""
+        self.inner.copy_parameters_from(self.trainer.params)
+        self.inner.reset_optimizer_state()
+        self.trajectory.start(epoch, self.inner.params)
+        self._step_pages = []
+        self._keep_snapshot()
+        self.store.prune(epoch)
+
+    @property
+    def wants_data(self) -> bool:
+        return self.trajectory.steps_done < self.settings.inner_steps
+
+    def train_page(self, tokens, *, page: int, counter: int, epoch: int) -> PageTrained:
+        """Add one own page to the inner step; take the step once the local batch is full."""
+        from dtrain.training.replay import position_inner_lr
+
+        H = self.settings.inner_steps
+        inner = self.inner
+        results = inner.accumulate(tokens)
+        self._step_pages.append((counter, page))
+        metrics = None
+        if inner.local_batch_full:
+            samples = inner.accumulated_samples
+            grad_sketch = self.trajectory.gradient_sketch(inner.gradients())
+            position_inner_lr(inner, epoch=epoch, inner_steps=H, step_index=self.trajectory.steps_done,
+                              warmup=self.settings.inner_warmup)
+            metrics = inner.step()
+            self.trajectory.record_step(counters=[c for c, _ in self._step_pages],
+                                        pages=[p for _, p in self._step_pages], samples=samples,
+                                        loss=metrics.loss, params=inner.params, grad_sketch=grad_sketch)
+            self._step_pages = []
+            if self.trajectory.snapshot_due() and self.trajectory.steps_done < H:
+                self._keep_snapshot()
+        loss = metrics.loss if metrics is not None else sum(r.loss for r in results) / len(results)
+        return PageTrained(loss=loss, samples=sum(r.samples for r in results), step=metrics)
+
+    @property
+    def samples(self) -> int:
+        return self.trajectory.samples
+
+    def progress(self) -> Progress:
+        inner = self.inner
+        return Progress(lr=inner.lr, inner_step=self.trajectory.steps_done, samples=inner.counters.samples,
+                        tokens=inner.counters.tokens,
+                        samples_accumulated=self.trajectory.samples + inner.accumulated_samples,
+                        local_batch=self.settings.local_batch_size * self.settings.inner_steps)
+
+    def _keep_snapshot(self) -> None:
+        """Store the inner state now and commit its moments' sketches."""
+        from dtrain.training import snapshots
+
+        params, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
+        self.store.save(self.trajectory.epoch, self.trajectory.steps_done,
+                        snapshots.encode(params, exp_avg, exp_avg_sq))
+        self.trajectory.record_snapshot(exp_avg, exp_avg_sq)
+
+    # ---------------------------------------------------------------- contribution
+
+    def contribution(self, samples: int, weight_cap: float) -> Contribution:
+        # The pseudo-gradient: anchor - parameters after the inner steps (the sign of a gradient).
+        pseudo = [(a.detach().float() - p.detach().float()).cpu() for a, p in zip(self.trainer.params, self.inner.params)]
+        report = self.trajectory.report()
+        return Contribution(pseudo, float(min(samples, report.samples, weight_cap)), report)
+
+    # ---------------------------------------------------------------- validating
+
+    @property
+    def weight_cap(self) -> float:
+        return float(self.settings.local_batch_size * self.settings.inner_steps)
+
+    def empty_report(self, epoch: int):
+        from dtrain.training.trajectory import TrajectoryReport
+
+        return TrajectoryReport.empty(epoch)
+
+    def audit(self, requests: Sequence[AuditRequest], *, epoch: int, rng: random.Random) -> list:
+        """Check each miner's committed inner steps, and replay a random stretch of them from the
+        snapshot before it (docs/protocol.md, "DiLoCo")."""
+        from dtrain.training.fingerprint import gradient_sketch
+        from dtrain.training.replica import sketch_distance, within_tolerance
+        from dtrain.training.work import WORK_SKETCH_K, work_nonce
+        from dtrain.validation.verification import check_page_ids, judge_trajectory, trajectory_shape_problem
+
+        s = self.settings
+        nonce = work_nonce(s.run_id, epoch)
+        # The anchor every miner should have started from: ours (replicas differ in the last bits).
+        anchor = gradient_sketch(list(self.trainer.params), nonce, k=WORK_SKETCH_K).tolist()
+        verdicts = []
+        for req in requests:
+            report = req.report
+            # the averager refused a report of the other mode's kind in the gather (Commitment.parse)
+            if report is None or not report.steps:
+                verdicts.append(None)
+                continue
+            problem = (trajectory_shape_problem(report, inner_steps=s.inner_steps, page_sequences=s.page_sequences)
+                       or check_page_ids(report.pages, self.expected_page(req.uid, epoch)))
+            if not problem and not within_tolerance(sketch_distance(report.start, anchor)):
+                problem = "inner steps did not start from this epoch's shared parameters"
+            audits, first = [], 0
+            if not problem:
+                problem, audits, first = self.replay_stretch(req, epoch=epoch, rng=rng, nonce=nonce)
+            verdicts.append(judge_trajectory(report, expected_epoch=epoch, problem=problem, audits=audits,
+                                             first_step=first))
+        return verdicts
+
+    def replay_stretch(self, req: AuditRequest, *, epoch: int, rng: random.Random, nonce: str):
+        """Download the snapshot before a randomly chosen step, check it against its commitment
+        and replay up to that step on the inner copy. Returns (problem, step audits, first
+        replayed step - 1)."""
+        from dtrain.training import snapshots
+        from dtrain.training.fingerprint import Fingerprint, compare_fingerprints, gradient_sketch
+        from dtrain.training.replay import replay_steps
+        from dtrain.training.work import WORK_SKETCH_K
+        from dtrain.validation.verification import (
+            MOMENTS_RTOL, SNAPSHOT_RTOL, choose_replay_segment, sketch_mismatch, step_audit,
+        )
+
+        report, inner = req.report, self.inner
+        first, target = choose_replay_segment(len(report.steps), report.every, rng)
+        commit = report.snapshot_at(first)
+        try:
+            data = self._download_snapshot(req, epoch, first)
+            params, exp_avg, exp_avg_sq = snapshots.decode(data, [p.shape for p in inner.params])
+        except snapshots.SnapshotError as exc:
+            # A miner that cannot serve what it committed is treated as having made it up: one
+            # that could choose when to fail would dodge exactly the audits it fears.
+            return f"snapshot at inner step {first} not served ({exc})", [], first
+        except TimeoutError as exc:
+            return f"snapshot at inner step {first} {exc}", [], first
+        measured = gradient_sketch(params, nonce, k=WORK_SKETCH_K).tolist()
+        if sketch_mismatch(report.params_sketch_after(first), measured, SNAPSHOT_RTOL):
+            return f"snapshot at inner step {first} is not the committed parameters", [], first
+
+        def moments_differ(committed, exp_avg, exp_avg_sq, rtol: float) -> bool:
+            return any(sketch_mismatch(want, gradient_sketch(got, nonce, k=WORK_SKETCH_K).tolist(), rtol)
+                       for want, got in ((committed.exp_avg, exp_avg), (committed.exp_avg_sq, exp_avg_sq)))
+
+        if first > 0 and moments_differ(commit, exp_avg, exp_avg_sq, SNAPSHOT_RTOL):
+            return f"snapshot at inner step {first} is not the committed optimizer state", [], first
+        snapshots.load_inner_state(inner, params, exp_avg, exp_avg_sq, first)
+        s = self.settings
+        replayed = replay_steps(inner, report.steps[first:target], first_step=first, epoch=epoch,
+                                inner_steps=s.inner_steps, read_page=lambda page: self.reader.read_pages([page]),
+                                nonce=nonce, k=WORK_SKETCH_K, warmup=s.inner_warmup)
+        audits = []
+        for entry, mine in zip(report.steps[first:target], replayed):
+            # The gradient tells the pages apart; the update, that AdamW was applied as committed.
+            gradient = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.grad_sketch, samples=entry.samples),
+                                            Fingerprint(loss=mine.loss, sketch=mine.grad_sketch, samples=mine.samples))
+            update = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples),
+                                          Fingerprint(loss=mine.loss, sketch=mine.sketch, samples=mine.samples))
+            audits.append(step_audit(entry, gradient, update))
+        following = report.snapshot_at(target)
+        if following is not None and all(a.passed for a in audits):
+            # The stretch ends where the next snapshot was taken: its committed moments must be
+            # the ones these steps produce, or that snapshot's optimizer state was made up.
+            _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
+            if moments_differ(following, exp_avg, exp_avg_sq, MOMENTS_RTOL):
+                return (f"the optimizer state committed at inner step {target} is not what steps {first + 1}-{target} "
+                        "produce"), audits, first
+        return "", audits, first
+
+    def _download_snapshot(self, req: AuditRequest, epoch: int, step: int) -> bytearray:
+        """The snapshot's bytes, chunk by chunk within the time budget (TimeoutError past it)."""
+        from dtrain.training import snapshots
+
+        if req.read_snapshot is None:
+            raise snapshots.SnapshotError("no way to ask this miner for it")
+        size = snapshots.snapshot_nbytes(self.inner.params)
+        budget = SNAPSHOT_FIXED_S + size / SNAPSHOT_MIN_RATE
+        deadline = time.monotonic() + budget
+        data = bytearray()
+        while len(data) < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"not served within {budget:.0f} s")
+            chunk = req.read_snapshot(epoch, step, len(data), min(SNAPSHOT_CHUNK, size - len(data)), min(120.0, left))
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    # ---------------------------------------------------------------- snapshots
+
+    def open_store(self, root: Path) -> None:
+        from dtrain.training.snapshots import SnapshotStore
+
+        self.store = SnapshotStore(root)

@@ -1,0 +1,305 @@
+"""The training modes' contract (dtrain.modes): what each trains and contributes, what a round
+changes, what a validator audits; and one real DiLoCo round between two loopback peers."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from dtrain.config import Config
+from dtrain.modes import MODES, AuditRequest, DiLoCo, PerStep, UnknownMode, build_mode
+from dtrain.swarm.records import RoundRecord
+
+H = 3  # DiLoCo inner steps per epoch in these tests
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def _config(mode: str) -> Config:
+    cfg = Config()
+    cfg.model.preset, cfg.model.seq_len, cfg.model.run_id = "tiny", 32, "modes-test"
+    cfg.data.source, cfg.data.tokenizer, cfg.data.page_sequences = "local", "shipped", 4
+    cfg.training.device, cfg.training.precision = "cpu", "fp32"
+    # one page per local batch: one page per DiLoCo inner step
+    cfg.training.micro_batch_size, cfg.training.local_batch_size = 2, 4
+    cfg.training.lr, cfg.training.warmup_steps, cfg.training.total_steps = 3e-3, 0, 100
+    cfg.allreduce.mode, cfg.allreduce.diloco_inner_steps = mode, H
+    cfg.allreduce.diloco_inner_warmup, cfg.allreduce.diloco_snapshot_every = 2, 2
+    cfg.allreduce.outer_lr, cfg.allreduce.outer_momentum = OUTER_LR, OUTER_MOMENTUM
+    cfg.validator.audit_pages = 2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def bench_of():
+    """build_workbench(cfg) per mode: the model, reader and mode a neuron of that mode runs."""
+    from dtrain.neurons.runtime import build_workbench
+
+    return lambda mode, **kw: build_workbench(_config(mode), **kw)
+
+
+def _own_pages(bench, uid: int, epoch: int, count: int) -> list[int]:
+    from dtrain.training.data import assign_pages
+
+    return assign_pages(run_id=bench.run_id, uid=uid, epoch=epoch, page_counter=0, count=count,
+                        num_pages=bench.reader.num_pages)
+
+
+def _train(bench, uid: int = 1, epoch: int = 0, limit: int = 50) -> list[int]:
+    """Train the miner's own pages until its mode wants no more; return the pages."""
+    mode, done = bench.mode, []
+    while mode.wants_data and len(done) < limit:
+        page = _own_pages(bench, uid, epoch, len(done) + 1)[-1]
+        mode.train_page(bench.reader.read_pages([page]), page=page, counter=len(done), epoch=epoch)
+        done.append(page)
+    return done
+
+
+def _record(ok: bool = True) -> RoundRecord:
+    return RoundRecord(round_id="r", local_peer_id="me", started_at=0.0, duration_s=0.0,
+                       fraction_averaged=1.0 if ok else 0.0, error="" if ok else "no group formed")
+
+
+def _copy(tensors) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------- registry
+
+
+def test_every_configured_mode_has_a_class():
+    from dtrain.config import section_fields
+
+    _, field = section_fields("allreduce")["mode"]
+    choices = set(field.metadata.get("choices") or ())
+    assert choices == set(MODES) == {"gradient", "diloco"}
+    assert MODES["gradient"] is PerStep and MODES["diloco"] is DiLoCo
+
+
+def test_build_mode_rejects_an_unknown_mode():
+    cfg = _config("gradient")
+    cfg.allreduce.mode = "sparse"  # set past the schema's check, as a stale caller could
+    with pytest.raises(UnknownMode, match=r"allreduce.mode 'sparse' .* expected one of diloco, gradient"):
+        build_mode(cfg, torch.nn.Linear(2, 2), "cpu", None)
+
+
+def test_the_workbench_holds_the_mode_and_its_shared_replica(bench_of):
+    for name, cls in (("gradient", PerStep), ("diloco", DiLoCo)):
+        bench = bench_of(name)
+        assert isinstance(bench.mode, cls) and bench.mode.trainer is bench.trainer
+        assert bench.model is bench.trainer.model
+    diloco = bench_of("diloco").mode
+    assert diloco.trainer.config.optimizer == "nesterov" and diloco.inner.config.optimizer == "adamw"
+    assert diloco.inner.model is not diloco.trainer.model
+    assert bench_of("diloco", fused=True).mode.inner.config.fused is True
+    assert bench_of("gradient", fused=True).mode.trainer.config.fused is True
+
+
+def test_weight_caps_and_empty_reports(bench_of):
+    from dtrain.training.trajectory import TrajectoryReport
+    from dtrain.training.work import WorkReport
+
+    per_step, diloco = bench_of("gradient").mode, bench_of("diloco").mode
+    assert per_step.weight_cap == 4.0 and diloco.weight_cap == 4.0 * H
+    assert per_step.empty_report(7) == WorkReport(epoch=7)
+    assert diloco.empty_report(7) == TrajectoryReport.empty(7)
+    assert diloco.empty_report(7).samples == 0 and not diloco.empty_report(7).steps
+
+
+# ---------------------------------------------------------------------------------- per-step
+
+
+def test_per_step_contribution_is_the_mean_gradient_with_its_samples(bench_of):
+    bench = bench_of("gradient")
+    mode = bench.mode
+    mode.start_epoch(0)
+    pages = _train(bench)
+    assert len(pages) == 1 and mode.samples == 4 and not mode.wants_data
+    grads = _copy(mode.trainer.gradients())
+    c = mode.contribution(mode.samples, weight_cap=100.0)
+    assert all(torch.allclose(t, g / 4) for t, g in zip(c.tensors, grads))
+    assert c.weight == 4.0 and [p.page for p in c.report.pages] == pages and c.report.samples == 4
+    assert mode.contribution(mode.samples, weight_cap=3.0).weight == 3.0  # never above the cap
+    progress = mode.progress()
+    assert (progress.samples_accumulated, progress.local_batch, progress.inner_step) == (4, 4, 0)
+
+
+def test_per_step_apply_average_steps_and_a_failed_round_changes_nothing(bench_of):
+    bench = bench_of("gradient")
+    mode = bench.mode
+    _train(bench)
+    c = mode.contribution(mode.samples, weight_cap=100.0)
+    before = _copy(mode.trainer.params)
+    assert mode.apply_average(_record(ok=False), c.tensors) is None
+    assert mode.apply_average(_record(), [t * float("nan") for t in c.tensors]) is None
+    assert _equal(before, mode.trainer.params) and mode.samples == 4  # the local batch is kept too
+    metrics = mode.apply_average(_record(), c.tensors)
+    assert metrics is not None and metrics.inner_step == 1
+    assert not _equal(before, mode.trainer.params) and mode.samples == 0 and mode.wants_data
+
+
+def test_per_step_keeps_no_snapshots(bench_of, tmp_path):
+    from dtrain.training.snapshots import SnapshotError
+
+    mode = bench_of("gradient").mode
+    mode.open_store(tmp_path / "snapshots")
+    with pytest.raises(SnapshotError, match="keeps no DiLoCo snapshots"):
+        mode.snapshot(0, 0, 0, 16)
+    assert not (tmp_path / "snapshots").exists()
+
+
+# ---------------------------------------------------------------------------------- DiLoCo
+
+
+def test_diloco_contribution_is_anchor_minus_inner_params(bench_of, tmp_path):
+    bench = bench_of("diloco")
+    mode = bench.mode
+    mode.open_store(tmp_path)
+    mode.start_epoch(0)
+    anchor = _copy(mode.trainer.params)
+    pages = _train(bench)
+    assert len(pages) == H and mode.trajectory.steps_done == H and mode.samples == 4 * H and not mode.wants_data
+    assert _equal(anchor, mode.trainer.params)  # inner steps never move the anchor
+    c = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+    assert all(torch.equal(t, a - p.detach()) for t, a, p in zip(c.tensors, anchor, mode.inner.params))
+    assert c.weight == 4.0 * H and len(c.report.steps) == H and [p.page for p in c.report.pages] == pages
+    # the report commits to what is sent: the sum of the step updates is the pseudo-gradient's sketch
+    from dtrain.training.fingerprint import gradient_sketch
+    from dtrain.training.work import WORK_SKETCH_K, work_nonce
+
+    sent = gradient_sketch(c.tensors, work_nonce(bench.run_id, 0), k=WORK_SKETCH_K).tolist()
+    assert sent == pytest.approx(c.report.contribution_sketch(), rel=1e-4, abs=1e-6)
+    assert [s.step for s in c.report.snapshots] == [0, 2]
+    assert mode.snapshot(0, 2, 0, 8) and mode.progress().inner_step == H
+
+
+def test_diloco_apply_average_takes_the_outer_step_then_the_inner_copy_restarts(bench_of, tmp_path):
+    bench = bench_of("diloco")
+    mode = bench.mode
+    mode.open_store(tmp_path)
+    mode.start_epoch(0)
+    anchor = _copy(mode.trainer.params)
+    _train(bench)
+    c = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+    averaged = _copy(c.tensors)
+    assert mode.apply_average(_record(), averaged) is not None
+    # the first Nesterov step from zero momentum: anchor - lr * (1 + momentum) * average
+    for p, a, g in zip(mode.trainer.params, anchor, c.tensors):
+        torch.testing.assert_close(p.detach(), a - OUTER_LR * (1 + OUTER_MOMENTUM) * g, rtol=1e-5, atol=1e-6)
+    mode.start_epoch(1)
+    assert _equal(mode.inner.params, mode.trainer.params)
+    assert mode.trajectory.epoch == 1 and mode.trajectory.steps_done == 0 and mode.samples == 0 and mode.wants_data
+    assert not mode.inner.optimizer.state  # fresh moments: a replay starts from the anchor alone
+    assert mode.snapshot(1, 0, 0, 8)
+
+
+def test_diloco_failed_round_changes_nothing(bench_of, tmp_path):
+    bench = bench_of("diloco")
+    mode = bench.mode
+    mode.open_store(tmp_path)
+    mode.start_epoch(0)
+    _train(bench)
+    anchor, inner = _copy(mode.trainer.params), _copy(mode.inner.params)
+    c = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+    assert mode.apply_average(_record(ok=False), c.tensors) is None
+    assert mode.apply_average(_record(), [t * float("inf") for t in c.tensors]) is None
+    assert _equal(anchor, mode.trainer.params) and _equal(inner, mode.inner.params)
+    # the inner steps wait for the next round: the same contribution, the same report
+    again = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+    assert _equal(c.tensors, again.tensors) and again.report == c.report
+
+
+# ---------------------------------------------------------------------------------- audits
+
+
+def _reader_of(miner):
+    return lambda epoch, step, offset, length, timeout_s: miner.snapshot(epoch, step, offset, length)
+
+
+def test_per_step_audit_passes_honest_pages_and_catches_another_miners(bench_of):
+    miner, validator = bench_of("gradient"), bench_of("gradient")
+    _train(miner, uid=3)
+    report = miner.mode.contribution(miner.mode.samples, 100.0).report
+    verdicts = validator.mode.audit([AuditRequest(uid=3, report=report), AuditRequest(uid=4, report=report),
+                                     AuditRequest(uid=5, report=validator.mode.empty_report(0))],
+                                    epoch=0, rng=random.Random(1))
+    assert verdicts[0].passed and verdicts[0].audits, verdicts[0]
+    assert not verdicts[1].passed and "page" in verdicts[1].problem  # uid 4's assignment names other pages
+    assert verdicts[2] is None  # nothing committed, nothing to audit
+
+
+def test_diloco_audit_replays_an_honest_trajectory_and_catches_made_up_steps(bench_of, tmp_path):
+    miner, validator = bench_of("diloco"), bench_of("diloco")
+    miner.mode.open_store(tmp_path)
+    miner.mode.start_epoch(0)
+    _train(miner, uid=2)
+    report = miner.mode.contribution(miner.mode.samples, miner.mode.weight_cap).report
+    honest = AuditRequest(uid=2, report=report, read_snapshot=_reader_of(miner.mode))
+    # every stretch (steps 1-2 and 3) passes its replay
+    for seed in range(4):
+        verdict, = validator.mode.audit([honest], epoch=0, rng=random.Random(seed))
+        assert verdict.passed and verdict.audits, verdict.problem
+    # a step whose update sketch was made up fails the replay of its stretch
+    steps = list(report.steps)
+    steps[0] = dataclasses.replace(steps[0], grad_sketch=tuple(-v for v in steps[0].grad_sketch))
+    forged = AuditRequest(uid=2, report=dataclasses.replace(report, steps=tuple(steps)),
+                          read_snapshot=_reader_of(miner.mode))
+    caught = [v for seed in range(8) for v in validator.mode.audit([forged], epoch=0, rng=random.Random(seed))]
+    assert any(not v.passed and "inner step 1 failed its replay" in v.problem for v in caught)
+    # a snapshot the miner does not serve fails the audit
+    unserved = AuditRequest(uid=2, report=report, read_snapshot=lambda *a: b"")
+    verdict, = validator.mode.audit([unserved], epoch=0, rng=random.Random(0))
+    assert not verdict.passed and "not served" in verdict.problem
+    # a trajectory that did not start from this epoch's anchor is refused before any replay
+    moved = AuditRequest(uid=2, report=dataclasses.replace(report, start=tuple(v + 1.0 for v in report.start)),
+                         read_snapshot=_reader_of(miner.mode))
+    verdict, = validator.mode.audit([moved], epoch=0, rng=random.Random(0))
+    assert not verdict.passed and "did not start" in verdict.problem
+
+
+# ---------------------------------------------------------------------------------- one real round
+
+
+@pytest.mark.slow
+def test_a_real_diloco_round_between_two_peers_keeps_their_replicas_identical(bench_of, tmp_path):
+    from dtrain.swarm.averaging import GradientSwarm
+    from dtrain.swarm.loopback import local_nodes, run_concurrently
+    from dtrain.training.work import work_nonce
+    from tests.swarm_checks import loopback_config
+
+    benches = [bench_of("diloco") for _ in range(2)]
+    for i, b in enumerate(benches):
+        b.mode.open_store(tmp_path / f"m{i}")
+        b.mode.start_epoch(0)
+        _train(b, uid=i + 1)
+    anchor = _copy(benches[0].trainer.params)
+    contributions = [b.mode.contribution(b.mode.samples, b.mode.weight_cap) for b in benches]
+    sent = [_copy(c.tensors) for c in contributions]
+    cfg = loopback_config("modes-diloco", 2, require_commitments=True, aggregation="centered_clip")
+    with local_nodes(2) as nodes:
+        swarms = [GradientSwarm(n.dht, [p.detach() for p in b.trainer.params], b.swarm_fingerprint, cfg,
+                                mode="diloco") for n, b in zip(nodes, benches)]
+        try:
+            records = run_concurrently(
+                [lambda s=s, c=c: s.run_round(c.tensors, weight=c.weight, cap=c.weight, tokens=int(c.weight) * 32,
+                                              work=c.report, work_nonce=work_nonce("modes-test", 0))
+                 for s, c in zip(swarms, contributions)], timeout_s=300)
+        finally:
+            for s in swarms:
+                s.shutdown()
+    assert all(r.ok and r.fraction_averaged == 1.0 for r in records), [r.error for r in records]
+    for b, c, r in zip(benches, contributions, records):
+        assert b.mode.apply_average(r, c.tensors) is not None
+        b.mode.start_epoch(1)
+    assert _equal(benches[0].trainer.params, benches[1].trainer.params)
+    # equal weights: the outer step applies the mean pseudo-gradient (CenteredClip keeps two honest peers' mean)
+    mean = [(x + y) / 2 for x, y in zip(*sent)]
+    for p, a, g in zip(benches[0].trainer.params, anchor, mean):
+        torch.testing.assert_close(p.detach(), a - OUTER_LR * (1 + OUTER_MOMENTUM) * g, rtol=1e-4, atol=1e-6)
+    assert all(_equal(b.mode.inner.params, b.trainer.params) for b in benches)
