@@ -5,14 +5,24 @@ from __future__ import annotations
 import random
 
 from dtrain.swarm.records import Outcome
+from dtrain.training.work import PageWork, WorkReport
 from dtrain.validation.scoring import (
-    GATE_WORK_AUDIT, MicroBatchCheck, ScoringConfig, score_round,
+    GATE_WORK_AUDIT,
+    MicroBatchCheck,
+    ScoringConfig,
+    score_round,
 )
 from dtrain.validation.verification import (
-    NOT_COMMITTED, PageAudit, WorkVerdict, check_page_ids, choose_audit_pages, judge_work, round_input,
-    train_passed, weight_caps,
+    NOT_COMMITTED,
+    PageAudit,
+    WorkVerdict,
+    check_page_ids,
+    choose_audit_pages,
+    judge_work,
+    round_input,
+    train_passed,
+    weight_caps,
 )
-from dtrain.training.work import PageWork, WorkReport
 
 OK = MicroBatchCheck(passed=True, similarity=0.9999, loss_rel_err=0.0)
 BAD = MicroBatchCheck(passed=False, similarity=0.2, loss_rel_err=0.5)
@@ -37,7 +47,11 @@ def test_train_passed_is_decided_in_one_place():
 
 def test_train_answers_out_of_sync_or_misshapen_are_not_checked():
     from dtrain.training.replica import REPLICA_RTOL
-    from dtrain.validation.verification import answer_problem, choose_recomputed, in_sync_problem
+    from dtrain.validation.verification import (
+        answer_problem,
+        choose_recomputed,
+        in_sync_problem,
+    )
 
     assert in_sync_problem(4, 4, None) == "" and in_sync_problem(4, 4, REPLICA_RTOL / 2) == ""
     assert "epoch 3, ours 4" in in_sync_problem(3, 4, 0.0)
@@ -123,7 +137,11 @@ def test_a_failed_train_answer_credits_nothing_even_with_good_work():
 
 def test_probation_after_a_failed_audit():
     from dtrain.validation.scoring import GATE_PROBATION
-    from dtrain.validation.verification import PROBATION_ROUNDS, on_probation, update_probation
+    from dtrain.validation.verification import (
+        PROBATION_ROUNDS,
+        on_probation,
+        update_probation,
+    )
 
     probation = update_probation({}, {"cheat": True, "honest": False}, round_no=5)
     assert probation == {"cheat": 5 + PROBATION_ROUNDS}
@@ -175,7 +193,11 @@ def test_a_round_overtaken_by_another_validators_round_is_not_held_against_miner
 
 
 def test_a_miner_that_steps_mid_check_is_stale_evidence_not_a_failure():
-    from dtrain.validation.verification import MAX_OVERTAKEN_IN_A_ROW, excuse_moved_on, moved_on_during_checks
+    from dtrain.validation.verification import (
+        MAX_OVERTAKEN_IN_A_ROW,
+        excuse_moved_on,
+        moved_on_during_checks,
+    )
 
     # at our epoch when the round began, at the next one now: another validator's round ran
     assert moved_on_during_checks(4, 4, 5)
@@ -212,7 +234,7 @@ def test_an_excused_miner_keeps_its_score_and_a_failed_check_still_gates():
 
 
 def test_validators_start_rounds_on_a_shared_clock():
-    from dtrain.neurons.deadlines import next_round_start
+    from dtrain.swarm.deadlines import next_round_start
 
     # two validators that finished their last rounds at different moments meet at one boundary
     assert next_round_start(1_000_003.2, 60.0) == next_round_start(1_000_019.9, 60.0) == 1_000_020.0
@@ -222,7 +244,7 @@ def test_validators_start_rounds_on_a_shared_clock():
 
 
 def test_validators_start_the_all_reduce_at_one_point_of_the_slot():
-    from dtrain.neurons.deadlines import allreduce_start
+    from dtrain.swarm.deadlines import allreduce_start
 
     # however long each validator's checks took, both wait for the same moment
     assert allreduce_start(1_000_020.0, 60.0) == 1_000_050.0

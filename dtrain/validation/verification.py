@@ -1,7 +1,10 @@
-"""Per-round verification of miners: pure decisions over plain data.
+"""Per-round verification of miners: what each piece of evidence means, as pure decisions.
 
-The validator neuron does the I/O (queries, recomputation on its replica, the all-reduce);
-every decision about what it measured is made here, once:
+The validator does the I/O (dtrain/neurons/validation_round.py: queries, recomputation on
+its replica, the all-reduce; the work audits in dtrain/modes/); the decisions that steer its
+round (whom to check, when to follow the swarm, a miner's verdict) are in
+``dtrain.validation.round_rules``, which calls these. What a piece of evidence means is
+decided here, once:
 
 - ``in_sync_problem``, ``answer_problem``, ``choose_recomputed``: whether a Train answer can
   be checked, and which of its micro-batches are recomputed;
@@ -15,7 +18,11 @@ every decision about what it measured is made here, once:
   the same for a DiLoCo miner's committed inner steps (a replayed stretch instead of pages);
 - ``on_probation``, ``update_probation``: miners whose work failed an audit get no weight
   and no score for ``PROBATION_ROUNDS`` rounds;
+- ``overtaken_by``, ``moved_on_during_checks``, ``excuse_moved_on``: evidence that another
+  validator's round ran in the middle of ours is stale, not evidence against the miners;
 - ``round_input``: the scoring input (dtrain.validation.scoring) built from all of it.
+
+Calls go one way: round_rules -> here -> scoring and ``dtrain.swarm.records`` (the outcome codes).
 
 Nothing here imports torch, the network or the clock (tests/test_validation_verification.py).
 """
@@ -25,12 +32,11 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from dtrain.swarm.records import Outcome
 from dtrain.validation.scoring import MicroBatchCheck, MinerRoundInput, TrainCheck
-
 
 # ------------------------------------------------------------------ the Train challenge
 
