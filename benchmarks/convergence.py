@@ -17,7 +17,7 @@ benchmark's:
   are checked to be identical. The remaining steps average the same slices in-process (the
   plain weighted mean; thousands of real rounds would take most of an hour on a small machine).
 * ``diloco``: each miner's ``DiLoCo`` mode takes H inner AdamW steps on its slices, exactly
-  as ``dtrain mine --mode diloco`` does (fresh inner moments every epoch, the inner learning
+  as ``dtrain mine`` does with ``allreduce.mode = "diloco"`` (fresh inner moments every epoch, the inner learning
   rate ramped over ``allreduce.diloco_inner_warmup`` steps, a trajectory report and
   snapshots), then one real round averages the pseudo-gradients (anchor - inner params) and
   every miner takes the same outer Nesterov step (``allreduce.outer_lr``,
@@ -28,8 +28,9 @@ benchmark's:
 A round that fails (an error, part of the vector not averaged, a peer not SUCCESS) is run
 again, up to ``MAX_ATTEMPTS`` times in all, with every peer's unchanged contribution (a
 failed round changes nothing in a mode); the output counts the rounds that needed it
-(``retried_rounds``) and those that never succeeded (``failed_rounds``, each then applied
-as a miner would: a peer whose record says it averaged takes the step).
+(``retried_rounds``). A round that fails every attempt ends the run with an error: a miner
+would keep its work for the next round, which this fixed schedule cannot model, so no figure
+after it would be of the path ``mine`` runs (``failed_rounds`` is therefore 0 in any output).
 
 Bytes per token = bytes sent + received on the wire (``RoundRecord`` counters: protobuf
 payload of all-reduce messages, libp2p framing excluded) over the tokens those rounds
@@ -162,7 +163,8 @@ def format_table(result: dict) -> str:
             f"{'met' if result['target_met'] else 'NOT met'}"
         )
     if "production_diloco" in result:
-        lines.append("DiLoCo as `dtrain mine --mode diloco` runs it (the schema's outer lr, momentum and inner warm-up)"
+        lines.append("DiLoCo as `dtrain mine` runs it with allreduce.mode = diloco (the schema's outer lr, "
+                     "momentum and inner warm-up)"
                      if result["production_diloco"] else
                      "DiLoCo with overridden hyperparameters (--outer-lr/--outer-momentum/--inner-warmup): "
                      "NOT what `dtrain mine` runs")
@@ -324,10 +326,11 @@ class RoundLog:
 
 def swarm_round(modes, swarms, *, epoch: int, run_id: str, seq_len: int, log: RoundLog) -> None:
     """One round of every miner, as ``_do_round`` runs it: its mode's contribution, the round,
-    then the mode's step. A failed round is run again with the same contributions."""
-    from dtrain.training.work import work_nonce
-
+    then the mode's step. A failed round is run again with the same contributions; one that
+    fails every attempt ends the run (a miner would keep its work and wait for the next round,
+    which this fixed schedule cannot model, so any figure after it would not be mine's)."""
     from dtrain.swarm.loopback import run_concurrently
+    from dtrain.training.work import work_nonce
 
     contributions = [m.contribution(m.samples, m.weight_cap) for m in modes]
     nonce = work_nonce(run_id, epoch)
@@ -342,7 +345,11 @@ def swarm_round(modes, swarms, *, epoch: int, run_id: str, seq_len: int, log: Ro
             break
     log.records.extend(records)
     log.attempts.append(attempt)
-    log.failed += any(round_failed(r) for r in records)
+    failed = [r for r in records if round_failed(r)]
+    if failed:
+        log.failed += 1
+        raise RuntimeError(f"the round of epoch {epoch} failed in all {MAX_ATTEMPTS} attempts "
+                           f"({failed[0].error or 'a peer FAILED'}); no figure is reported")
     for m, r, ts in zip(modes, records, sent):
         m.apply_average(r, ts)
 

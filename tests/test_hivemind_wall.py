@@ -230,7 +230,8 @@ def test_an_untested_release_is_named_with_the_supported_one_and_the_fix(monkeyp
     assert "not installed" in library.version_problem()
 
 
-@pytest.mark.parametrize("version,ok", [("1.1.12", True), ("1.1.12.post1", True), ("1.1.11", False),
+@pytest.mark.parametrize("version,ok", [("1.1.12", True), ("1.1.12.post1", True), ("1.1.12+local", True),
+                                        ("1.1.12rc1", False), ("1.1.12.dev0", False), ("1.1.11", False),
                                         ("1.1.13", False), ("2.0", False), ("garbage", False)])
 def test_release_comparison(monkeypatch, version, ok):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
@@ -311,16 +312,17 @@ def test_the_rpc_names_on_the_wire_are_unchanged():
         assert sorted(served.names) == expected, cls
 
 
-@pytest.mark.parametrize("command", ["mine", "validate"])
-def test_a_neuron_on_an_untested_hivemind_stops_with_the_fix(command, tmp_path):
-    """`dtrain mine`/`validate` refuse to start, exit 1, and say which releases work and how to get one."""
+@pytest.mark.parametrize("argv", [["mine", "--no-dashboard"], ["validate", "--no-dashboard"],
+                                  ["benchmark-bandwidth", "--local-peers", "2", "--json"]])
+def test_a_command_on_an_untested_hivemind_stops_with_the_fix(argv, tmp_path):
+    """`dtrain mine`/`validate`/`benchmark-bandwidth` refuse to start, exit 1, and say which
+    releases work and how to get one (no traceback)."""
     script = textwrap.dedent(f"""
         import importlib.metadata, sys
         real = importlib.metadata.version
         importlib.metadata.version = lambda name: "1.2.0" if name == "hivemind" else real(name)
         from dtrain.cli.app import main
-        sys.argv = ["dtrain", "{command}", "--network", "sandbox", "--no-dashboard",
-                    "--data-dir", {str(tmp_path)!r}]
+        sys.argv = ["dtrain", *{argv!r}, "--network", "sandbox", "--sandbox-dir", {str(tmp_path)!r}]
         main()
     """)
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("DTRAIN_", "BT_"))}
@@ -330,4 +332,21 @@ def test_a_neuron_on_an_untested_hivemind_stops_with_the_fix(command, tmp_path):
     assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-2000:])
     low, high = library.TESTED_VERSIONS
     assert "hivemind 1.2.0 is installed" in out.stderr and high in out.stderr
-    assert f"pip install 'hivemind=={high}'" in out.stderr
+    assert f"pip install 'hivemind=={high}'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_importing_the_rules_loads_no_hivemind():
+    """The pure rule modules (and the settings the neurons build) load without hivemind,
+    also through the package: a neuron on an untested hivemind can still read its config."""
+    script = textwrap.dedent("""
+        import sys
+        import dtrain.swarm.averaging.group_rules, dtrain.swarm.averaging.settings
+        import dtrain.swarm.averaging.assembly
+        from dtrain.swarm.averaging import AveragingConfig, settings_from
+        assert "hivemind" not in sys.modules, sorted(m for m in sys.modules if m.startswith("hivemind"))[:5]
+        from dtrain.swarm.averaging import GradientSwarm
+        assert "hivemind" in sys.modules and "dtrain.swarm.hivemind_internals" in sys.modules
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-2000:]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from dtrain.config import AllReduceConfig, Config, ModelConfig
-from dtrain.swarm.deadlines import matchmaking_timeout_s
 from dtrain.swarm.averaging import AveragingConfig, settings_from
 from dtrain.swarm.averaging.settings import sender_timeout_for
+from dtrain.swarm.deadlines import matchmaking_timeout_s
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,3 +89,17 @@ def test_the_link_table_uses_the_default_part_size():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.PART_SIZE_BYTES == AveragingConfig().part_size_bytes
+
+
+def test_derived_timeouts_follow_the_settings_they_derive_from():
+    from dtrain.swarm.averaging.settings import sender_timeout_for
+
+    short = AveragingConfig(allreduce_timeout_s=10.0, min_matchmaking_time_s=2.0)
+    assert short.sender_timeout_s == sender_timeout_for(10.0) <= 10.0
+    assert short.matchmaking_timeout_s == 6.0
+    # replace() keeps a derived value derived, and an explicit one explicit
+    longer = short.replace(allreduce_timeout_s=200.0, min_matchmaking_time_s=20.0)
+    assert (longer.sender_timeout_s, longer.matchmaking_timeout_s) == (sender_timeout_for(200.0), 60.0)
+    pinned = AveragingConfig(sender_timeout_s=7.0, matchmaking_timeout_s=99.0).replace(allreduce_timeout_s=200.0)
+    assert (pinned.sender_timeout_s, pinned.matchmaking_timeout_s) == (7.0, 99.0)
+    assert AveragingConfig(sender_timeout_s=None).sender_timeout_s is None  # no limit stays possible

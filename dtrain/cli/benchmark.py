@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from dtrain.cli.common import AnnounceMaddrOpt, CommandError, ConfigOpt, ExternalAddressOpt, HostMaddrOpt, JsonOpt, \
-    NetuidOpt, NetworkOpt, SandboxDirOpt, address_overrides, chain_overrides, cli_errors, load, print_json
+    NetuidOpt, NetworkOpt, SandboxDirOpt, address_overrides, chain_overrides, cli_errors, load, print_json, \
+    require_swarm_library
 
 
 @cli_errors
@@ -41,6 +42,7 @@ def benchmark_bandwidth(
     if check_reachability:
         _check_reachability(cfg, json_out)
         return
+    require_swarm_library()
     from dtrain.swarm import bandwidth
 
     progress_cm = None

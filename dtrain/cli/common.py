@@ -139,6 +139,17 @@ def refuse_unreachable(cfg: Config, role: str) -> None:
         raise CommandError("refusing to start: " + " Also: ".join(f.message for f in found))
 
 
+def require_swarm_library() -> None:
+    """Stop with the fix before anything joins a swarm on an untested hivemind release: such a
+    release fails mid-round in ways no import error shows (dtrain.swarm.library). Cheap: it
+    reads the installed version without importing hivemind."""
+    from dtrain.swarm.library import version_problem
+
+    problem = version_problem()
+    if problem:
+        raise CommandError(problem)
+
+
 def load(config: Path | None, overrides: dict[str, Any] | None = None) -> Config:
     cfg, _ = load_config(config, overrides=overrides or {})
     return cfg

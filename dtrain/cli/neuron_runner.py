@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from dtrain.cli.common import CommandError, err, use_dashboard
+from dtrain.cli.common import CommandError, err, require_swarm_library, use_dashboard
 from dtrain.config import Config
 from dtrain.telemetry import Telemetry
 
@@ -59,15 +59,13 @@ def _run(neuron) -> int:
     from dtrain.chain.base import ChainClientBug, ChainError
     from dtrain.hub.base import StoreError
     from dtrain.neurons.runtime import NeuronError
-    from dtrain.swarm.library import UnsupportedHivemind, check_swarm_library
     from dtrain.training.errors import TrainingError
     from dtrain.validation.state import StateError
 
     try:
-        # First: a neuron on an untested hivemind would fail mid-round in ways no import shows.
-        check_swarm_library()
+        require_swarm_library()  # first: an untested hivemind fails mid-round, not at import
         return neuron.run()
-    except (NeuronError, UnsupportedHivemind, TrainingError, ChainError, StateError, StoreError) as exc:
+    except (NeuronError, TrainingError, ChainError, StateError, StoreError) as exc:
         raise CommandError(str(exc)) from None
     except ChainClientBug as exc:
         # A bug, not an outage: the traceback of the SDK's error is what a report needs.

@@ -14,7 +14,9 @@ branching on which one it is:
 
 ``Mode.trainer`` is the *shared replica*: the parameters every peer of the swarm holds at
 an epoch. Rounds average into it, checkpoints, catch-up, state slices and Train challenges
-all refer to it. The caller holds the neuron's model lock around every call that touches it.
+all refer to it. The caller holds the neuron's model lock around every call that changes it
+(training, the round's step, the start of an epoch); the calls that only read (``progress``,
+``snapshot``, a validator's ``audit`` on its own thread) take no lock, as before.
 """
 
 from __future__ import annotations

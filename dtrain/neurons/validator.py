@@ -46,9 +46,9 @@ from dtrain.chain.base import ChainClientBug
 from dtrain.config import Config
 from dtrain.neurons import validation_round as phases
 from dtrain.neurons.base import CatchUpTarget, NeuronBase
-from dtrain.swarm.deadlines import allreduce_start, next_round_start, round_deadline_s
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.neurons.validation_round import Probe
+from dtrain.swarm.deadlines import allreduce_start, next_round_start, round_deadline_s
 from dtrain.telemetry import MinerRow, Telemetry
 
 # fellow_validators is also imported from here (tests/test_neuron_parts.py)

@@ -3,7 +3,7 @@
 The names and the codec's arithmetic live here, free of hivemind, so the swarm fingerprint
 (``wire_format``) and the tolerances (dtrain.swarm.averaging.contribution) cost no import of
 it. The codec reaches the wire through hivemind's serializer: the hivemind wrapper and its
-registration under the ``BLOCKWISE_8BIT`` wire id are in dtrain/swarm/hivemind_internals.py.
+registration under the ``BLOCKWISE_8BIT`` wire id are in dtrain/swarm/hivemind_internals/shims.py.
 """
 
 from __future__ import annotations

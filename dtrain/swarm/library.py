@@ -12,6 +12,7 @@ before they start anything heavy, and ``dtrain --help`` stays fast.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from typing import Optional
 
 # (lowest, highest) hivemind release the test suite ran on; both inclusive.
@@ -59,7 +60,10 @@ def version_problem() -> Optional[str]:
         return f"hivemind is not installed; dtrain's swarm needs hivemind {supported_range()}. Fix: {fix_command()}"
     low, high = (_release(v) for v in TESTED_VERSIONS)
     release = _release(installed)
-    if release and low <= release[:len(low)] <= high:
+    # a pre-release of a tested release is not that release ("1.1.12rc1", "1.1.12.dev0"); a
+    # post-release (packaging fixes only) or a local build label is
+    final = re.search(r"(a|b|c|rc|alpha|beta|pre|preview|dev)\d*", installed.lower().split("+")[0]) is None
+    if release and final and low <= release[:len(low)] <= high:
         return None
     return (f"hivemind {installed} is installed, but dtrain's swarm is tested with hivemind {supported_range()} "
             f"only (it relies on hivemind internals that change between releases). Fix: {fix_command()}")

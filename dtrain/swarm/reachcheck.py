@@ -119,7 +119,7 @@ def _dial(maddrs: list[str], timeout: float) -> dict[str, tuple[bool, str]]:
         # client_mode: the probe serves nothing and is never added to anybody's routing table.
         # No UPnP either: the probe only dials out, and asking the router for a port is not its business.
         node = SwarmNode(SwarmNodeConfig(data_dir=tmp, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
-                                    bootstrap_timeout_s=timeout, extra_dht_kwargs={"nat_port_map": False}))
+                                         bootstrap_timeout_s=timeout, extra_dht_kwargs={"nat_port_map": False}))
         try:
             node.start()
             for maddr in maddrs:

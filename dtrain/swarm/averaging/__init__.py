@@ -1,8 +1,11 @@
 """Gradient averaging over hivemind's butterfly all-reduce, with dtrain's robustness rules.
 
 Transport, matchmaking and the butterfly itself are hivemind's; everything hivemind-specific
-is behind the wall (dtrain/swarm/hivemind_internals/), imported first here so its shims are
-installed before any averaging starts. dtrain's rules, one module each:
+is behind the wall (dtrain/swarm/hivemind_internals/), which the modules that run a round
+(``swarm``, ``averager``, ``runner``) import first so its shims are installed and its version
+check has run. The rule modules do not import hivemind, and this package loads its public
+names lazily, so ``import dtrain.swarm.averaging.group_rules`` (or ``settings``) does not load
+hivemind either. dtrain's rules, one module each:
 
 * ``settings``: AveragingConfig, whose defaults are the config schema's ([allreduce]);
 * ``swarm``: GradientSwarm, the caller's side (one round -> one RoundRecord);
@@ -18,8 +21,22 @@ Each round yields a :class:`~dtrain.swarm.records.RoundRecord` from this peer's 
 
 from __future__ import annotations
 
-import dtrain.swarm.hivemind_internals  # noqa: F401  (first: hivemind's shims, and its version check)
-from dtrain.swarm.averaging.settings import AveragingConfig, settings_from
-from dtrain.swarm.averaging.swarm import GradientSwarm, Interrupted, wait_unless_stopped
+import importlib
 
-__all__ = ["AveragingConfig", "GradientSwarm", "Interrupted", "settings_from", "wait_unless_stopped"]
+# public name -> the module of this package that defines it (loaded on first use)
+_EXPORTS = {
+    "AveragingConfig": "settings",
+    "settings_from": "settings",
+    "GradientSwarm": "swarm",
+    "Interrupted": "swarm",
+    "wait_unless_stopped": "swarm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

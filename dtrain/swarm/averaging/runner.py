@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dtrain.swarm.averaging.contribution import as_received
 from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned, part_check, within_norm
 from dtrain.swarm.hivemind_internals import ButterflyRunner, serialize_part
 
@@ -50,6 +51,10 @@ class CheckedRunner(ButterflyRunner):
         self._serialized_cache: dict[tuple[int, int], tuple[torch.Tensor, asyncio.Future]] = {}
         super().__init__(**kwargs)
         self._first_part = self.first_part
+
+    def as_received(self, part: torch.Tensor) -> torch.Tensor:
+        # the one definition, shared with the claims (compute_claims), so they agree bit for bit
+        return as_received(part, self.wire_compression)
 
     def new_reducer(self, part_shapes: tuple, num_senders: int) -> CheckedReducer:
         return CheckedReducer(part_shapes, num_senders, self.sender_weights, self.sender_norms, robust=self.robust)

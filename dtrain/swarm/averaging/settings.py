@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from dtrain.config import AllReduceConfig, ModelConfig
-from dtrain.swarm.deadlines import matchmaking_timeout_s as _matchmaking_timeout_s
 from dtrain.swarm.codecs import canonical_compression
+from dtrain.swarm.deadlines import MATCHMAKING_ATTEMPTS
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -37,6 +37,10 @@ def sender_timeout_for(allreduce_timeout_s: float) -> float:
 
 _SCHEMA = AllReduceConfig()
 
+# Marks a setting derived from the others when the config is built (so that a config with a
+# shorter all-reduce timeout also gets a shorter sender timeout, not the schema's).
+DERIVED = -1.0
+
 
 @dataclass(frozen=True)
 class AveragingConfig:
@@ -48,10 +52,11 @@ class AveragingConfig:
     min_matchmaking_time_s: float = _SCHEMA.matchmaking_time
     request_timeout_s: float = _SCHEMA.request_timeout
     allreduce_timeout_s: float = _SCHEMA.allreduce_timeout
-    sender_timeout_s: Optional[float] = sender_timeout_for(_SCHEMA.allreduce_timeout)
+    # None: no limit; DERIVED: sender_timeout_for(allreduce_timeout_s)
+    sender_timeout_s: Optional[float] = DERIVED
     reducer_timeout_s: Optional[float] = None  # default 2 x sender timeout
-    # give up looking for a group after this long (matchmaking attempts x matchmaking time)
-    matchmaking_timeout_s: float = _matchmaking_timeout_s(_SCHEMA)
+    # give up looking for a group after this long; DERIVED: matchmaking attempts x matchmaking time
+    matchmaking_timeout_s: float = DERIVED
     compression: str = _SCHEMA.compression  # none | fp16 | 8bit (+ experiments: 8bit-uniform, 8bit-quantile)
     part_size_bytes: int = 2**17  # 128 KiB: finer pipelining than hivemind's 512 KiB; measured faster in netns
     bandwidth: Optional[float] = None  # MB/s hint for load balancing; None = "same as others"
@@ -71,12 +76,24 @@ class AveragingConfig:
     aggregation: str = _SCHEMA.aggregation
 
     def __post_init__(self):
+        # frozen: derived values are filled in once, here (dataclasses.replace re-derives them
+        # only if the caller passes DERIVED again)
+        if self.sender_timeout_s == DERIVED:
+            object.__setattr__(self, "sender_timeout_s", sender_timeout_for(self.allreduce_timeout_s))
+        if self.matchmaking_timeout_s == DERIVED:
+            object.__setattr__(self, "matchmaking_timeout_s", self.min_matchmaking_time_s * MATCHMAKING_ATTEMPTS)
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be 'mean' or 'centered_clip', got {self.aggregation!r}")
         canonical_compression(self.compression)  # ValueError naming the known ones
 
     def replace(self, **changes) -> "AveragingConfig":
-        """A copy with ``changes`` applied (and checked)."""
+        """A copy with ``changes`` applied (and checked). A derived setting that still has its
+        derived value follows the settings it derives from."""
+        if "sender_timeout_s" not in changes and self.sender_timeout_s == sender_timeout_for(self.allreduce_timeout_s):
+            changes["sender_timeout_s"] = DERIVED
+        if ("matchmaking_timeout_s" not in changes
+                and self.matchmaking_timeout_s == self.min_matchmaking_time_s * MATCHMAKING_ATTEMPTS):
+            changes["matchmaking_timeout_s"] = DERIVED
         return dataclasses.replace(self, **changes)
 
 
@@ -90,8 +107,6 @@ def settings_from(cfg: "Config", log_path: "Optional[Path | str]" = None) -> Ave
         min_matchmaking_time_s=a.matchmaking_time,
         request_timeout_s=a.request_timeout,
         allreduce_timeout_s=a.allreduce_timeout,
-        sender_timeout_s=sender_timeout_for(a.allreduce_timeout),
-        matchmaking_timeout_s=_matchmaking_timeout_s(a),
         compression=a.compression,
         log_path=str(log_path) if log_path else None,
         # neurons always bind contributions to work (docs/protocol.md, "Work commitments")

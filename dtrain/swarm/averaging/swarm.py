@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+import dtrain.swarm.hivemind_internals  # noqa: F401  (first: hivemind's shims, and its version check)
 from dtrain.swarm.averaging.assembly import expect_list
 from dtrain.swarm.averaging.group_rules import make_gather, schema_hash
 from dtrain.swarm.averaging.settings import AveragingConfig

@@ -109,8 +109,10 @@ class ButterflyRunner(AllReduceRunner):
                     total_size=int(container.total_size), failed_size=int(container.failed_size))
 
     def as_received(self, part: torch.Tensor) -> torch.Tensor:
-        """What a remote sender decodes of ``part`` (the lossy compression round trip)."""
-        return deserialize_torch_tensor(serialize_torch_tensor(part, self.wire_compression.compression_type))
+        """Hook: what a remote sender decodes of ``part`` (the lossy compression round trip). Our
+        own share keeps exactly that, so every peer holds the same bits. dtrain's rule is
+        dtrain.swarm.averaging.contribution.as_received, which the claims are computed with too."""
+        raise NotImplementedError
 
     # -- client side -----------------------------------------------------------------------
     async def reduce_own_share(self) -> None:
