@@ -17,9 +17,14 @@ MATCHMAKING_ATTEMPTS = 3
 ACCEPTED_DEADLINE_FACTOR = 2.0
 
 
+def matchmaking_timeout_for(matchmaking_time: float) -> float:
+    """Give up looking for a group after this long, for a matchmaking window of ``matchmaking_time``."""
+    return matchmaking_time * MATCHMAKING_ATTEMPTS
+
+
 def matchmaking_timeout_s(allreduce) -> float:
-    """Give up looking for a group after this long (``allreduce`` is the config's section)."""
-    return allreduce.matchmaking_time * MATCHMAKING_ATTEMPTS
+    """:func:`matchmaking_timeout_for` of the config's ``[allreduce]`` section."""
+    return matchmaking_timeout_for(allreduce.matchmaking_time)
 
 
 def round_deadline_s(allreduce) -> float:

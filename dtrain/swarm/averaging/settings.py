@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from dtrain.config import AllReduceConfig, ModelConfig
 from dtrain.swarm.codecs import canonical_compression
-from dtrain.swarm.deadlines import MATCHMAKING_ATTEMPTS
+from dtrain.swarm.deadlines import matchmaking_timeout_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -78,10 +78,9 @@ class AveragingConfig:
     def __post_init__(self):
         # frozen: derived values are filled in once, here (dataclasses.replace re-derives them
         # only if the caller passes DERIVED again)
-        if self.sender_timeout_s == DERIVED:
-            object.__setattr__(self, "sender_timeout_s", sender_timeout_for(self.allreduce_timeout_s))
-        if self.matchmaking_timeout_s == DERIVED:
-            object.__setattr__(self, "matchmaking_timeout_s", self.min_matchmaking_time_s * MATCHMAKING_ATTEMPTS)
+        for name, value in self._derived().items():
+            if getattr(self, name) == DERIVED:
+                object.__setattr__(self, name, value)
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be 'mean' or 'centered_clip', got {self.aggregation!r}")
         canonical_compression(self.compression)  # ValueError naming the known ones
@@ -89,12 +88,15 @@ class AveragingConfig:
     def replace(self, **changes) -> "AveragingConfig":
         """A copy with ``changes`` applied (and checked). A derived setting that still has its
         derived value follows the settings it derives from."""
-        if "sender_timeout_s" not in changes and self.sender_timeout_s == sender_timeout_for(self.allreduce_timeout_s):
-            changes["sender_timeout_s"] = DERIVED
-        if ("matchmaking_timeout_s" not in changes
-                and self.matchmaking_timeout_s == self.min_matchmaking_time_s * MATCHMAKING_ATTEMPTS):
-            changes["matchmaking_timeout_s"] = DERIVED
+        for name, value in self._derived().items():
+            if name not in changes and getattr(self, name) == value:
+                changes[name] = DERIVED
         return dataclasses.replace(self, **changes)
+
+    def _derived(self) -> dict:
+        """What each derived setting is, from the settings it derives from."""
+        return dict(sender_timeout_s=sender_timeout_for(self.allreduce_timeout_s),
+                    matchmaking_timeout_s=matchmaking_timeout_for(self.min_matchmaking_time_s))
 
 
 def settings_from(cfg: "Config", log_path: "Optional[Path | str]" = None) -> AveragingConfig:
