@@ -46,6 +46,11 @@ def _rounds_seen_by_each_validator(root) -> str:
         for r in state.get("recent_rounds", []):
             rows = [(m["uid"], m["outcome"], m["score"], m["gated"], m["note"]) for m in r.get("miners", [])]
             lines.append(f"  round {r.get('round')} epoch {r.get('epoch')} {r.get('status')}: {rows}")
+    # What the miners did about their own replicas: catch-ups and rounds that kept local values.
+    for log in sorted(root.glob("neurons/miner*/log.txt")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "catch" in line or "WARNING round" in line:
+                lines.append(f"{log.parent.name}: {line[:300]}")
     return "\n".join(lines)
 
 
@@ -57,8 +62,11 @@ def test_their_weight_vectors_agree_within_0_05_per_miner(run):
     for m in miners:
         per_validator = m["weights_by_validator"]
         assert set(per_validator) == {"validator1", "validator2"}
-        assert all(w > 0 for w in per_validator.values()), (m, seen)  # each validator paid every honest miner
-        assert abs(per_validator["validator1"] - per_validator["validator2"]) <= 0.05, (m, seen)
+        # A str message: pytest prints it whole (a tuple's repr is cut to a line), and the
+        # rounds each validator saw are what tells the cause of a disagreement.
+        why = f"{m['name']}: {per_validator}\n{seen}"
+        assert all(w > 0 for w in per_validator.values()), why  # each validator paid every honest miner
+        assert abs(per_validator["validator1"] - per_validator["validator2"]) <= 0.05, why
     assert doc["validator_spread"] <= 0.05
     for v in doc["validators"]:
         assert abs(sum(v["weights"].values()) - 1.0) < 1e-6, v

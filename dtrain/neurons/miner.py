@@ -42,6 +42,10 @@ PEER_REFRESH_S = 10.0
 # trusted to query, not to freeze the training thread for a day or exhaust memory).
 MAX_QUERY_PAGES = 64
 DATA_RETRY_S = 5.0
+# A catch-up the training loop owes is tried this many times, this far apart, before it waits
+# for the next validator query (which names the state to reach).
+CATCH_UP_ATTEMPTS = 3
+CATCH_UP_RETRY_S = 5.0
 
 
 class Miner(NeuronBase):
@@ -57,7 +61,14 @@ class Miner(NeuronBase):
         # (epoch, answer) of the last round that averaged: a second validator's query for that
         # epoch gets the same answer (see _do_round).
         self._last_round: tuple[int, AllReduceResponse] | None = None
+        # A catch-up the training loop owes, its attempts left, and when to try it next (monotonic).
         self._pending_catch_up: CatchUpTarget | None = None
+        self._catch_up_attempts = 0
+        self._catch_up_at = 0.0
+        # (our epoch, the epoch asked) of the last catch-up a Train query waited for: at most
+        # one such wait per pair, so a query cannot keep the training thread busy with them.
+        self._healed_for: tuple[int, int] | None = None
+        self._checkpoint_due = False
         self._pending_commit = None
         self._post_round = False
         self._last_loss: float | None = None
@@ -217,11 +228,11 @@ class Miner(NeuronBase):
                 if self.epoch % self.cfg.miner.checkpoint_every == 0:
                     self._checkpoint()
                 self._push()
-            if self._pending_catch_up is not None:
-                target, self._pending_catch_up = self._pending_catch_up, None
-                if self._catch_up(target):
-                    self._start_epoch()  # local training from the old replica no longer fits
-                    self._checkpoint()
+            if self._pending_catch_up is not None and time.monotonic() >= self._catch_up_at:
+                self._run_pending_catch_up()
+            if self._checkpoint_due:
+                self._checkpoint_due = False
+                self._checkpoint()
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
             if self._wants_more_data():
@@ -346,13 +357,16 @@ class Miner(NeuronBase):
         from dtrain.api.server import HandlerError
         from dtrain.training.data import assign_pages
 
+        sketch = tuple(request.params_sketch) if request.params_sketch else None
+        if request.epoch > self.epoch or (request.epoch == self.epoch and sketch and not self._near(sketch)):
+            # This replica is behind the validator's, or drifted past the replica tolerance
+            # (docs/scoring.md), e.g. after a round that lost a part on its way here: not this
+            # miner's doing. Resynchronise from the swarm first and answer from there, rather
+            # than fail the query and be paid less for someone else's fault.
+            self._heal_before_answering(CatchUpTarget(epoch=request.epoch, sketch=sketch))
         if request.epoch != self.epoch:
-            self._catch_up_if_behind(request.epoch, request.params_sketch)
             raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {request.epoch}")
-        if request.params_sketch and not self._near(request.params_sketch):
-            # Same epoch, but this replica drifted past the replica tolerance (docs/scoring.md):
-            # resynchronise from the swarm instead of being marked out of sync every round.
-            self._pending_catch_up = CatchUpTarget(epoch=self.epoch, sketch=tuple(request.params_sketch))
+        if sketch and not self._near(sketch):
             raise HandlerError(409, "this miner's parameters differ from the validator's by more than the replica "
                                     "tolerance; resynchronising from peers")
         reader = self.bench.reader
@@ -383,7 +397,55 @@ class Miner(NeuronBase):
     def _catch_up_if_behind(self, epoch: int, sketch) -> None:
         """A validator queried a later epoch: schedule a catch-up to its state (within tolerance)."""
         if epoch > self.epoch:
-            self._pending_catch_up = CatchUpTarget(epoch=epoch, sketch=tuple(sketch) if sketch else None)
+            self._schedule_catch_up(CatchUpTarget(epoch=epoch, sketch=tuple(sketch) if sketch else None))
+
+    def _schedule_catch_up(self, target: CatchUpTarget) -> None:
+        """Let the training loop catch up to ``target``, retrying a failed attempt a few times:
+        right after a round, the peers that could share its state may not have applied it yet."""
+        self._pending_catch_up = target
+        self._catch_up_attempts = CATCH_UP_ATTEMPTS
+        self._catch_up_at = 0.0
+
+    def _run_pending_catch_up(self) -> None:
+        target = self._pending_catch_up
+        if target is None or self._reached(target):
+            self._pending_catch_up = None  # already there (a round or another catch-up took us)
+            return
+        if self._catch_up(target):
+            self._pending_catch_up = None
+            self._start_epoch()  # local training from the old replica no longer fits
+            self._checkpoint_due = True
+            return
+        self._catch_up_attempts -= 1
+        if self._catch_up_attempts <= 0:
+            self._pending_catch_up = None
+            self.tel.event("catch-up: giving up for now; the next validator query retries it")
+        else:
+            self._catch_up_at = time.monotonic() + CATCH_UP_RETRY_S
+
+    def _reached(self, target: CatchUpTarget) -> bool:
+        """Whether this replica is at (or, by epoch, past) a named target; never for "any newer state"."""
+        if target.epoch is None:
+            return False
+        if target.epoch != self.epoch:
+            return target.epoch < self.epoch
+        return target.sketch is None or self._near(target.sketch)
+
+    def _heal_before_answering(self, target: CatchUpTarget) -> None:
+        """Catch up to a Train query's epoch and replica now, within the query (bounded by the
+        catch-up's own timeout), once per (our epoch, asked epoch); later queries that find us
+        still apart only schedule it."""
+        key = (self.epoch, int(target.epoch if target.epoch is not None else self.epoch))
+        if self._healed_for == key:
+            self._schedule_catch_up(target)
+            return
+        self._healed_for = key
+        if self._catch_up(target):
+            self._pending_catch_up = None
+            self._start_epoch()
+            self._checkpoint_due = True  # from the training loop: disk work never delays an answer
+        else:
+            self._schedule_catch_up(target)
 
     def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
         if self._last_round is not None and request.epoch == self._last_round[0] != self.epoch:
@@ -417,7 +479,7 @@ class Miner(NeuronBase):
             self.page_counter = 0  # page counters restart with each epoch's fresh permutation
             if record.fraction_averaged < 1.0:
                 # Part of the vector kept local values: this replica may now differ from others.
-                self._pending_catch_up = CatchUpTarget()
+                self._schedule_catch_up(CatchUpTarget())
             if math.isfinite(metrics.loss):
                 self.tel.train_metrics(loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
                                        grad_norm=metrics.grad_norm, lr=metrics.lr, epoch=self.epoch,

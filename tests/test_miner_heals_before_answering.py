@@ -1,0 +1,140 @@
+"""A miner whose replica was left behind answers a validator's Train query from the swarm's state.
+
+A replica can fall behind or drift through no fault of its own (a round that lost a part on
+its way to it, a missed round on a loaded host). The miner then catches up within the query
+and answers from the caught-up replica, instead of failing the query and being paid less for
+someone else's fault. When no peer serves the state the validator named, it answers 409 and
+the training loop keeps trying; a query waits for a catch-up at most once per epoch pair.
+
+Real workbenches (model, local data, mode) on both sides; the peer that serves state is the
+one stand-in, as in tests/test_neuron_parts.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.test_modes import _config, _train
+from tests.test_neuron_parts import _PeerWithState
+
+
+def _miner(bench):
+    from dtrain.neurons.miner import Miner
+    from dtrain.telemetry import Telemetry
+
+    miner = Miner(bench_config(), Telemetry("miner"), threading.Event())
+    miner.bench, miner.trainer, miner.uid = bench, bench.trainer, 3
+    miner._refresh_digest()
+    return miner
+
+
+def bench_config():
+    return _config("gradient")
+
+
+def _query(epoch: int, sketch) -> object:
+    from dtrain.api.messages import TrainRequest
+
+    return TrainRequest(nonce="ab12", epoch=epoch, pages=1, micro_batch_size=2, params_sketch=tuple(sketch))
+
+
+def _swarm_one_step_ahead():
+    """The swarm's replica after one round: the validator's, and what an honest peer serves."""
+    from dtrain.neurons.runtime import build_workbench
+
+    swarm = build_workbench(bench_config())
+    _train(swarm, uid=1)
+    swarm.trainer.step()
+    return swarm
+
+
+@pytest.fixture
+def swarm():
+    return _swarm_one_step_ahead()
+
+
+def test_a_miner_a_round_behind_catches_up_within_the_query_and_answers(swarm):
+    from dtrain.neurons.runtime import build_workbench
+    from dtrain.neurons.sync import export_state
+    from dtrain.training.replica import params_sketch
+
+    miner = _miner(build_workbench(bench_config()))
+    miner.swarm = _PeerWithState(*export_state(swarm.trainer, epoch=1))
+    answer = miner._do_train(_query(1, params_sketch(swarm.trainer.params)))
+    assert answer.epoch == 1 and miner.epoch == 1 and len(answer.microbatches) >= 1
+    assert miner._near(params_sketch(swarm.trainer.params))
+    assert miner._pending_catch_up is None and miner._checkpoint_due  # the loop checkpoints, not the query
+
+
+def test_a_drifted_miner_at_the_validators_epoch_resyncs_and_answers(swarm):
+    from dtrain.neurons.runtime import build_workbench
+    from dtrain.neurons.sync import export_state
+    from dtrain.training.replica import params_sketch
+
+    miner = _miner(build_workbench(bench_config()))
+    miner.epoch = 1
+    with torch.no_grad():  # e.g. a part of the last round kept this miner's own values
+        for p in miner.trainer.params:
+            p.add_(1e-3 * torch.randn_like(p))
+    target = params_sketch(swarm.trainer.params)
+    assert not miner._near(target)
+    miner.swarm = _PeerWithState(*export_state(swarm.trainer, epoch=1))
+    answer = miner._do_train(_query(1, target))
+    assert answer.epoch == 1 and miner._near(target)
+
+
+def test_no_matching_peer_state_gives_409_and_the_loop_keeps_trying(swarm):
+    from dtrain.api.server import HandlerError
+    from dtrain.neurons.miner import CATCH_UP_ATTEMPTS
+    from dtrain.neurons.runtime import build_workbench
+    from dtrain.neurons.sync import export_state
+    from dtrain.training.replica import params_sketch
+
+    miner = _miner(build_workbench(bench_config()))
+    stale = build_workbench(bench_config())  # a peer that never took the round
+    miner.swarm = _PeerWithState(*export_state(stale.trainer, epoch=1))
+    query = _query(1, params_sketch(swarm.trainer.params))
+    with pytest.raises(HandlerError) as failed:
+        miner._do_train(query)
+    assert failed.value.status == 409 and "epoch 0" in str(failed.value)
+    assert miner.epoch == 0 and miner._pending_catch_up is not None
+    assert miner._catch_up_attempts == CATCH_UP_ATTEMPTS
+
+    # A second query for the same epochs does not wait on another catch-up: it only schedules one.
+    attempts_before = []
+    miner._catch_up = lambda target: attempts_before.append(target) or False
+    with pytest.raises(HandlerError):
+        miner._do_train(query)
+    assert attempts_before == []
+
+    # The training loop's attempts: failures count down, then it stops until the next query.
+    for _ in range(CATCH_UP_ATTEMPTS):
+        miner._run_pending_catch_up()
+    assert len(attempts_before) == CATCH_UP_ATTEMPTS and miner._pending_catch_up is None
+
+
+def test_the_loops_retry_reaches_the_swarm_once_a_peer_serves_it(swarm):
+    from dtrain.neurons.base import CatchUpTarget
+    from dtrain.neurons.runtime import build_workbench
+    from dtrain.neurons.sync import export_state
+    from dtrain.training.replica import params_sketch
+
+    miner = _miner(build_workbench(bench_config()))
+    stale = build_workbench(bench_config())
+    miner.swarm = _PeerWithState(*export_state(stale.trainer, epoch=0))  # nobody has applied the round yet
+    target = CatchUpTarget(epoch=1, sketch=params_sketch(swarm.trainer.params))
+    miner._schedule_catch_up(target)
+    miner._run_pending_catch_up()
+    assert miner.epoch == 0 and miner._pending_catch_up == target
+    miner.swarm = _PeerWithState(*export_state(swarm.trainer, epoch=1))  # now one has
+    miner._catch_up_at = 0.0
+    miner._run_pending_catch_up()
+    assert miner.epoch == 1 and miner._pending_catch_up is None and miner._near(target.sketch)
+    # and a pending target the miner has already reached is dropped without loading anything
+    miner._schedule_catch_up(CatchUpTarget(epoch=1))
+    miner.swarm = None
+    miner._run_pending_catch_up()
+    assert miner._pending_catch_up is None
