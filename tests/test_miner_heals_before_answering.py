@@ -1,10 +1,11 @@
-"""A miner whose replica was left behind answers a validator's Train query from the swarm's state.
+"""A miner whose replica drifted apart answers a validator's Train query from the swarm's state.
 
-A replica can fall behind or drift through no fault of its own (a round that lost a part on
-its way to it, a missed round on a loaded host). The miner then catches up within the query
-and answers from the caught-up replica, instead of failing the query and being paid less for
-someone else's fault. When no peer serves the state the validator named, it answers 409 and
-the training loop keeps trying; a query waits for a catch-up at most once per epoch pair.
+A replica can drift apart through no fault of its own (a round that lost a part on its way
+to it). At the validator's epoch, the miner then resynchronises within the query (at most
+once per epoch, for at most HEAL_IN_QUERY_S) and answers from the caught-up replica, instead
+of failing the query and being paid less for someone else's fault. When no peer serves the
+state the validator named, it answers 409 and the training loop keeps trying. A miner a
+whole round behind answers 409 at once and catches up from the training loop.
 
 Real workbenches (model, local data, mode) on both sides; the peer that serves state is the
 one stand-in, as in tests/test_neuron_parts.py.
@@ -17,8 +18,21 @@ import threading
 import pytest
 import torch
 
+from dtrain.neurons.miner import HEAL_IN_QUERY_S
 from tests.test_modes import _config, _train
 from tests.test_neuron_parts import _PeerWithState
+
+
+class _TimedPeer(_PeerWithState):
+    """Also records how long each catch-up was allowed to wait."""
+
+    def __init__(self, meta, tensors):
+        super().__init__(meta, tensors)
+        self.timeouts = []
+
+    def load_state_from_peers(self, timeout_s=None, stop=None):
+        self.timeouts.append(timeout_s)
+        return super().load_state_from_peers(timeout_s, stop)
 
 
 def _miner(bench):
@@ -56,17 +70,21 @@ def swarm():
     return _swarm_one_step_ahead()
 
 
-def test_a_miner_a_round_behind_catches_up_within_the_query_and_answers(swarm):
+def test_a_miner_a_round_behind_answers_409_at_once_and_the_loop_catches_up(swarm):
+    from dtrain.api.server import HandlerError
     from dtrain.neurons.runtime import build_workbench
     from dtrain.neurons.sync import export_state
     from dtrain.training.replica import params_sketch
 
     miner = _miner(build_workbench(bench_config()))
     miner.swarm = _PeerWithState(*export_state(swarm.trainer, epoch=1))
-    answer = miner._do_train(_query(1, params_sketch(swarm.trainer.params)))
-    assert answer.epoch == 1 and miner.epoch == 1 and len(answer.microbatches) >= 1
-    assert miner._near(params_sketch(swarm.trainer.params))
-    assert miner._pending_catch_up is None and miner._checkpoint_due  # the loop checkpoints, not the query
+    target = params_sketch(swarm.trainer.params)
+    with pytest.raises(HandlerError) as behind:
+        miner._do_train(_query(1, target))
+    assert behind.value.status == 409 and miner.epoch == 0  # the query did not wait for a whole round's state
+    miner._run_pending_catch_up()
+    assert miner.epoch == 1 and miner._near(target) and miner._checkpoint_due
+    assert miner._do_train(_query(1, target)).epoch == 1
 
 
 def test_a_drifted_miner_at_the_validators_epoch_resyncs_and_answers(swarm):
@@ -81,9 +99,11 @@ def test_a_drifted_miner_at_the_validators_epoch_resyncs_and_answers(swarm):
             p.add_(1e-3 * torch.randn_like(p))
     target = params_sketch(swarm.trainer.params)
     assert not miner._near(target)
-    miner.swarm = _PeerWithState(*export_state(swarm.trainer, epoch=1))
+    miner.swarm = _TimedPeer(*export_state(swarm.trainer, epoch=1))
     answer = miner._do_train(_query(1, target))
-    assert answer.epoch == 1 and miner._near(target)
+    assert answer.epoch == 1 and miner._near(target) and len(answer.microbatches) >= 1
+    assert miner.swarm.timeouts == [HEAL_IN_QUERY_S]  # the query waited at most this long for the state
+    assert miner._pending_catch_up is None and miner._checkpoint_due  # the loop checkpoints, not the query
 
 
 def test_no_matching_peer_state_gives_409_and_the_loop_keeps_trying(swarm):
@@ -94,16 +114,16 @@ def test_no_matching_peer_state_gives_409_and_the_loop_keeps_trying(swarm):
     from dtrain.training.replica import params_sketch
 
     miner = _miner(build_workbench(bench_config()))
-    stale = build_workbench(bench_config())  # a peer that never took the round
+    miner.epoch = 1  # at the validator's epoch, but still holding the pre-round parameters
+    stale = build_workbench(bench_config())  # a peer that serves the same stale state
     miner.swarm = _PeerWithState(*export_state(stale.trainer, epoch=1))
     query = _query(1, params_sketch(swarm.trainer.params))
     with pytest.raises(HandlerError) as failed:
         miner._do_train(query)
-    assert failed.value.status == 409 and "epoch 0" in str(failed.value)
-    assert miner.epoch == 0 and miner._pending_catch_up is not None
-    assert miner._catch_up_attempts == CATCH_UP_ATTEMPTS
+    assert failed.value.status == 409 and "replica tolerance" in str(failed.value)
+    assert miner._pending_catch_up is not None and miner._catch_up_attempts == CATCH_UP_ATTEMPTS
 
-    # A second query for the same epochs does not wait on another catch-up: it only schedules one.
+    # A second query at the same epoch does not wait on another catch-up: it only schedules one.
     attempts_before = []
     miner._catch_up = lambda target: attempts_before.append(target) or False
     with pytest.raises(HandlerError):

@@ -350,8 +350,7 @@ class TrainRequest(Message):
 
     nonce: str = wire(HEX_NONCE, "Fresh per query. The challenge pages follow from it "
                       "(`assign_pages(..., nonce=nonce)`), and it seeds the gradient sketch.")
-    epoch: int = wire(EPOCH, "The validator's epoch. A miner behind it catches up first and answers from there; "
-                      "one that cannot, or is ahead, answers 409.")
+    epoch: int = wire(EPOCH, "Must equal the miner's epoch, else 409 (a miner behind it catches up).")
     pages: int = wire(Integer(1, MAX_PAGES), "Number of data pages to train on (a miner may accept fewer: 422).")
     micro_batch_size: int = wire(Integer(1, MAX_MICRO_BATCH),
                                  "Sequences per micro-batch; the miner splits the pages into micro-batches of this size.")
@@ -360,7 +359,7 @@ class TrainRequest(Message):
     params_sketch: tuple | None = wire(
         ListOf(Number(), MAX_SKETCH), "The validator's parameter sketch (256 values; docs/scoring.md, \"Replica "
         "tolerance\"). A miner at the same epoch whose own sketch is farther than the replica tolerance "
-        "resynchronises from its peers before answering.", optional=True)
+        "resynchronises from its peers (within the query, at most once per epoch), then answers.", optional=True)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ def chain_location(chain, network: str) -> str:
     return str(getattr(chain, "endpoint", None) or getattr(chain, "path", None) or network)
 
 
+# How long a catch-up may wait for a peer's state.
+CATCH_UP_TIMEOUT_S = 30.0
+
+
 @dataclass(frozen=True)
 class CatchUpTarget:
     """The state a catch-up must reach.
@@ -251,7 +255,7 @@ class NeuronBase:
         self.swarm.set_state_priority(self.epoch)
         return metrics
 
-    def _catch_up(self, target: CatchUpTarget = CatchUpTarget()) -> bool:
+    def _catch_up(self, target: CatchUpTarget = CatchUpTarget(), timeout_s: float = CATCH_UP_TIMEOUT_S) -> bool:
         """Adopt a peer's model state; True on success.
 
         Any DHT peer can offer state, so what arrives is checked before it is kept: it must
@@ -262,7 +266,7 @@ class NeuronBase:
 
         self.tel.event("catching up: loading model state from a peer")
         try:
-            loaded = self.swarm.load_state_from_peers(timeout_s=30, stop=self.stop)
+            loaded = self.swarm.load_state_from_peers(timeout_s=timeout_s, stop=self.stop)
         except Exception as exc:
             self.tel.event(f"catch-up failed: {exc!r}")
             return False

@@ -46,6 +46,9 @@ DATA_RETRY_S = 5.0
 # for the next validator query (which names the state to reach).
 CATCH_UP_ATTEMPTS = 3
 CATCH_UP_RETRY_S = 5.0
+# The longest a Train query waits for a resynchronisation of a drifted replica: the
+# validator's probe phase waits for every answer before its all-reduce.
+HEAL_IN_QUERY_S = 10.0
 
 
 class Miner(NeuronBase):
@@ -65,9 +68,9 @@ class Miner(NeuronBase):
         self._pending_catch_up: CatchUpTarget | None = None
         self._catch_up_attempts = 0
         self._catch_up_at = 0.0
-        # (our epoch, the epoch asked) of the last catch-up a Train query waited for: at most
-        # one such wait per pair, so a query cannot keep the training thread busy with them.
-        self._healed_for: tuple[int, int] | None = None
+        # The epoch at which a Train query last waited for a resynchronisation: at most once
+        # per epoch, so queries cannot keep the training thread (or a validator) waiting on them.
+        self._healed_at_epoch: int | None = None
         self._checkpoint_due = False
         self._pending_commit = None
         self._post_round = False
@@ -358,13 +361,16 @@ class Miner(NeuronBase):
         from dtrain.training.data import assign_pages
 
         sketch = tuple(request.params_sketch) if request.params_sketch else None
-        if request.epoch > self.epoch or (request.epoch == self.epoch and sketch and not self._near(sketch)):
-            # This replica is behind the validator's, or drifted past the replica tolerance
-            # (docs/scoring.md), e.g. after a round that lost a part on its way here: not this
-            # miner's doing. Resynchronise from the swarm first and answer from there, rather
-            # than fail the query and be paid less for someone else's fault.
-            self._heal_before_answering(CatchUpTarget(epoch=request.epoch, sketch=sketch))
+        if request.epoch == self.epoch and sketch and not self._near(sketch):
+            # Same epoch, but this replica is past the replica tolerance (docs/scoring.md), e.g.
+            # after a round that lost a part on its way here: not this miner's doing.
+            # Resynchronise from the swarm first and answer from there, rather than fail the
+            # query and be paid less for someone else's fault.
+            self._heal_before_answering(CatchUpTarget(epoch=self.epoch, sketch=sketch))
         if request.epoch != self.epoch:
+            # Behind (it missed a round) or ahead: a different replica altogether. Catching up
+            # means a whole round's state, which the query does not wait for.
+            self._catch_up_if_behind(request.epoch, sketch)
             raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {request.epoch}")
         if sketch and not self._near(sketch):
             raise HandlerError(409, "this miner's parameters differ from the validator's by more than the replica "
@@ -432,15 +438,14 @@ class Miner(NeuronBase):
         return target.sketch is None or self._near(target.sketch)
 
     def _heal_before_answering(self, target: CatchUpTarget) -> None:
-        """Catch up to a Train query's epoch and replica now, within the query (bounded by the
-        catch-up's own timeout), once per (our epoch, asked epoch); later queries that find us
-        still apart only schedule it."""
-        key = (self.epoch, int(target.epoch if target.epoch is not None else self.epoch))
-        if self._healed_for == key:
+        """Resynchronise to a Train query's replica now, within the query, at most once per epoch
+        and for at most HEAL_IN_QUERY_S (a validator's probes wait for every answer); later
+        queries that still find us apart, and a failed attempt, only schedule a catch-up."""
+        if self._healed_at_epoch == self.epoch:
             self._schedule_catch_up(target)
             return
-        self._healed_for = key
-        if self._catch_up(target):
+        self._healed_at_epoch = self.epoch
+        if self._catch_up(target, timeout_s=HEAL_IN_QUERY_S):
             self._pending_catch_up = None
             self._start_epoch()
             self._checkpoint_due = True  # from the training loop: disk work never delays an answer
