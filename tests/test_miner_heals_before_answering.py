@@ -125,7 +125,7 @@ def test_no_matching_peer_state_gives_409_and_the_loop_keeps_trying(swarm):
 
     # A second query at the same epoch does not wait on another catch-up: it only schedules one.
     attempts_before = []
-    miner._catch_up = lambda target: attempts_before.append(target) or False
+    miner._catch_up = lambda target, **_: attempts_before.append(target) or False
     with pytest.raises(HandlerError):
         miner._do_train(query)
     assert attempts_before == []

@@ -29,7 +29,7 @@ from dtrain.api.messages import (
     AllReduceRequest, AllReduceResponse, MicroBatchReport, StatusResponse, TrainRequest, TrainResponse,
 )
 from dtrain.config import Config
-from dtrain.neurons.base import CatchUpTarget, NeuronBase
+from dtrain.neurons.base import CATCH_UP_TIMEOUT_S, CatchUpTarget, NeuronBase
 from dtrain.neurons.jobs import JobQueue
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.training.errors import DataSourceError
@@ -417,10 +417,7 @@ class Miner(NeuronBase):
         if target is None or self._reached(target):
             self._pending_catch_up = None  # already there (a round or another catch-up took us)
             return
-        if self._catch_up(target):
-            self._pending_catch_up = None
-            self._start_epoch()  # local training from the old replica no longer fits
-            self._checkpoint_due = True
+        if self._resync(target):
             return
         self._catch_up_attempts -= 1
         if self._catch_up_attempts <= 0:
@@ -445,12 +442,19 @@ class Miner(NeuronBase):
             self._schedule_catch_up(target)
             return
         self._healed_at_epoch = self.epoch
-        if self._catch_up(target, timeout_s=HEAL_IN_QUERY_S):
-            self._pending_catch_up = None
-            self._start_epoch()
-            self._checkpoint_due = True  # from the training loop: disk work never delays an answer
-        else:
+        if not self._resync(target, timeout_s=HEAL_IN_QUERY_S):
             self._schedule_catch_up(target)
+
+    def _resync(self, target: CatchUpTarget, timeout_s: float = CATCH_UP_TIMEOUT_S) -> bool:
+        """One catch-up to ``target``; on success nothing is owed any more, local training
+        restarts from the new replica, and the loop checkpoints it (disk work never delays an
+        answer)."""
+        if not self._catch_up(target, timeout_s=timeout_s):
+            return False
+        self._pending_catch_up = None
+        self._start_epoch()  # local training from the old replica no longer fits
+        self._checkpoint_due = True
+        return True
 
     def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
         if self._last_round is not None and request.epoch == self._last_round[0] != self.epoch:
