@@ -43,6 +43,8 @@ class TelemetryCollector:
             gauge("samples_accumulated", "Samples in the local batch waiting for a round.", s.samples_accumulated),
             gauge("peers", "Peers in the DHT routing table.", s.peers_seen),
             gauge("chain_up", "1 when the last chain call succeeded.", int(s.chain.ok)),
+            gauge("swarm_up", "1 while this node's DHT and averager processes answer.", int(s.swarm.ok)),
+            gauge("swarm_restarts", "Times this node restarted its DHT and averager by itself.", s.swarm_restarts),
             # Validators never push: no hub gauge rather than a made-up "up".
             gauge("hub_up", "1 when the last model-store push succeeded (or none failed).",
                   int(s.hub.ok) if s.role == "miner" else None),

@@ -22,7 +22,8 @@ HISTORY = 120  # points kept for sparklines
 
 @dataclass
 class Health:
-    """Reachability of an external service (chain, model store)."""
+    """Reachability of an external service (chain, model store) or of this node's swarm
+    processes (the hivemind DHT and averager)."""
 
     ok: bool = True
     detail: str = ""
@@ -79,6 +80,8 @@ class Snapshot:
     miners: list[MinerRow] = field(default_factory=list)
     chain: Health = field(default_factory=Health)
     hub: Health = field(default_factory=Health)
+    swarm: Health = field(default_factory=Health)
+    swarm_restarts: int = 0  # times this node restarted its DHT and averager without an operator
     last_push: str = ""
     events: list[str] = field(default_factory=list)
 

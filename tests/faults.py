@@ -26,6 +26,7 @@ class FaultInjection:
     send_delay_s: float = 0.0  # sleep before each part sent to another reducer (a slow peer)
     send_nonfinite: bool = False  # send NaN/Inf instead of our values (a broken/cheating peer)
     scale_parts: float = 1.0  # multiply sent parts after announcing the true norm (a lying poisoner)
+    fail_after_parts: Optional[int] = None  # raise in the writer after this many parts (a broken encoder)
 
 
 class FaultyRunner(CheckedRunner):
@@ -35,7 +36,11 @@ class FaultyRunner(CheckedRunner):
 
     async def messages_to_reducer(self, peer_index: int, messages):
         fault = self.fault
+        sent = 0
         async for msg in messages:
+            if fault.fail_after_parts is not None and sent >= fault.fail_after_parts:
+                raise RuntimeError("injected: the part could not be encoded")
+            sent += 1
             if fault.send_delay_s > 0:
                 await asyncio.sleep(fault.send_delay_s)
             if fault.send_nonfinite:

@@ -244,6 +244,39 @@ def test_slow_sender_is_banned_others_complete(nodes):
     assert bool(torch.isfinite(data[0][0]).all())
 
 
+def test_a_sender_whose_writer_fails_aborts_its_streams_and_alone_is_blamed(nodes):
+    # The third peer's writer raises after its first part to each reducer. hivemind's writer task
+    # ended quietly: the reducers waited their 60 s sender timeout for its next part and it its
+    # reducer timeout for their replies. Its streams must end at once instead, with the error
+    # named in its own record, and the honest peers must finish without it.
+    # 30,000 floats in parts of 4 KB: about ten parts to each reducer
+    data = [[torch.full((30000,), 1.0)], [torch.full((30000,), 3.0)], [torch.full((30000,), 11.0)]]
+    before = [_flat(d).clone() for d in data]
+    cfg = _cfg(3, sender_timeout_s=60.0, reducer_timeout_s=120.0)
+    swarms = _swarms(nodes, data, cfg, faults=[None, None, FaultInjection(fail_after_parts=1)])
+    try:
+        recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1) for i in range(3)],
+                                timeout_s=300)
+    finally:
+        _shutdown(swarms)
+    broken = swarms[2].peer_id
+    honest = [s.peer_id for s in swarms[:2]]
+    # its own record: it failed to send, and the reducers it could not reach are not blamed
+    mine = recs[2]
+    assert mine.outcome_of(broken) == Outcome.FAIL, mine.peers
+    assert "could not send its parts" in next(p.reason for p in mine.peers if p.peer_id == broken)
+    assert "injected" in next(p.reason for p in mine.peers if p.peer_id == broken)
+    for peer in honest:
+        assert mine.outcome_of(peer) == Outcome.SUCCESS, mine.peers
+    # the honest peers saw it stop sending (banned), not a timeout of 60 s; each other SUCCESS
+    for r in recs[:2]:
+        assert not r.error, r.error
+        assert r.outcome_of(broken) == Outcome.FAIL
+        assert all(r.outcome_of(p) == Outcome.SUCCESS for p in honest), r.peers
+        assert r.duration_s < 60, r.duration_s  # the sender timeout it would otherwise have waited out
+    check_round_contract(before[:2], [_flat(d) for d in data[:2]], recs[:2])
+
+
 def test_no_group_keeps_local_values(nodes):
     t = torch.full((100,), 4.0)
     swarm = GradientSwarm(nodes[0].dht, [t], "model-a", _cfg(2, min_matchmaking_time_s=0.5, request_timeout_s=0.25))

@@ -80,3 +80,65 @@ def test_a_node_that_started_alone_joins_when_a_peer_appears(tmp_path):
             assert late.config.initial_peers
             assert late.try_bootstrap_once() == 1
             assert late.num_known_peers() >= 1
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_killed_dht_process_is_reported_and_its_p2pd_is_stopped(tmp_path):
+    import os
+    import signal
+
+    from dtrain.swarm.node import SwarmUnavailable
+
+    cfg = SwarmNodeConfig(data_dir=str(tmp_path / "n"), host_maddrs=LOOP)
+    node = SwarmNode(cfg).start()
+    try:
+        peer_id = node.peer_id
+        daemon = node._daemon_pid
+        assert node.problem() is None and node.alive()
+        assert daemon and _alive(daemon)
+        os.kill(node.dht.pid, signal.SIGKILL)
+        node.dht.join(10)
+        # every call now fails at once with the reason, instead of waiting for ever
+        with pytest.raises(SwarmUnavailable, match="SIGKILL"):
+            node.num_known_peers()
+        assert "killed by SIGKILL" in node.problem()
+        assert not node.alive()
+        assert node.peer_id == peer_id  # still known: status pages keep naming it
+    finally:
+        node.shutdown()
+    # p2pd outlives the killed process for a few seconds (longer with clients attached): the
+    # shutdown stops it if it still runs, so a restart can take its port
+    assert not _alive(daemon)
+    with SwarmNode(cfg) as again:  # and a restarted node has the same identity
+        assert again.peer_id == peer_id and again.problem() is None
+
+
+def test_a_frozen_dht_process_is_reported_within_the_call_timeout(tmp_path):
+    import os
+    import signal
+
+    from dtrain.swarm.node import SwarmUnavailable
+
+    with SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path / "n"), host_maddrs=LOOP)) as node:
+        os.kill(node.dht.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(SwarmUnavailable, match="did not answer within 2 s"):
+                node.call(_count_peers_for_test, timeout_s=2)
+            assert "did not answer within 1 s" in node.problem(timeout_s=1)
+            assert node.alive()  # alive but silent: the neuron restarts it only if it stays so
+        finally:
+            os.kill(node.dht.pid, signal.SIGCONT)
+        assert node.problem() is None  # it answers again once thawed
+
+
+async def _count_peers_for_test(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,10 @@ class NeuronBase:
         # The training thread owns the model; other threads (the state-slice handler, hivemind's
         # state sharing) read it only under this lock, so they never see a half-applied step.
         self.model_lock = threading.RLock()
+        self.node = self.swarm = None
+        self._swarm_watch = None  # a SwarmWatch once the swarm started (dtrain/neurons/swarm_health.py)
+        self._swarm_note = ""  # the last self-restart, shown beside a healthy swarm line
+        self._listen_on: list[str] | None = None  # the listen addresses a restarted node keeps
 
     # Set by the subclasses' run(): chain, dir, bench, trainer, node, swarm.
 
@@ -154,7 +159,9 @@ class NeuronBase:
 
     # ------------------------------------------------------------------ swarm
 
-    def _start_swarm(self, commitments: dict) -> None:
+    def _start_swarm(self, commitments: dict, *, listen_on: list[str] | None = None) -> None:
+        """Start the DHT (and p2pd) and the averager; ``listen_on`` replaces the configured
+        listen addresses (a restarted node keeps its port: peers know it by that address)."""
         from dtrain.neurons import runtime
         from dtrain.neurons.discovery import peer_maddrs
         from dtrain.swarm.averaging import GradientSwarm
@@ -162,8 +169,11 @@ class NeuronBase:
         from dtrain.swarm.startup import ProcessStartError
 
         peers = peer_maddrs(commitments.values())
+        node_config = runtime.swarm_node_config(self.cfg, self.dir, peers)
+        if listen_on:
+            node_config.host_maddrs = list(listen_on)
         try:
-            self.node = SwarmNode(runtime.swarm_node_config(self.cfg, self.dir, peers)).start()
+            self.node = SwarmNode(node_config).start()
             self._check_announced()
             self.swarm = GradientSwarm(
                 # Matching on the swarm fingerprint (model + swarm-wide settings) makes a peer with
@@ -181,6 +191,72 @@ class NeuronBase:
             raise
         self.swarm.set_state_priority(self.epoch)
         self.tel.update(peer_id=self.node.peer_id)
+        if self._swarm_watch is None:
+            from dtrain.neurons.swarm_health import SwarmWatch
+
+            self._swarm_watch = SwarmWatch()
+
+    def _swarm_started(self) -> None:
+        """After the swarm node (re)started: what else holds it must take the new one."""
+
+    def _watch_swarm(self, *, ping: bool = True) -> None:
+        """On the thread that runs rounds, between them: restart the swarm node when its DHT or
+        averager process died or stopped answering (dtrain/neurons/swarm_health.py).
+
+        With ``ping`` false it only looks whether the processes run, at once and without a
+        round trip (before a round: a dead averager would fail it after its whole timeout).
+        """
+        from dtrain.neurons.swarm_health import look_at
+
+        watch = self._swarm_watch
+        if watch is None or (ping and not watch.due()):
+            return
+        finding = look_at(self.node, self.swarm, ping=ping)
+        if not ping and finding.problem is None:
+            return  # a quick look does not count as a check
+        reason = watch.judge(finding)
+        if finding.problem is None:
+            self.tel.health("swarm", ok=True, detail=self._swarm_note)
+        elif reason is None:
+            log.warning("swarm node: %s; restarting it if the next check finds it so too", finding.problem)
+        else:
+            self._restart_swarm(reason)
+
+    def _restart_swarm(self, reason: str) -> None:
+        """Stop what is left of the swarm node and start a new one (same identity, so the same
+        peer id and chain commitment); a failed start is retried with backoff."""
+        from dtrain.swarm.reachability import fixed_port_host_maddrs
+
+        self.tel.health("swarm", ok=False, detail=reason)
+        self.tel.event(f"swarm node: {reason}; restarting it")
+        # Peers (and their routing tables) know this node by its address: listen on the same
+        # port again when the configured one was random (tcp/0).
+        if self.node is not None and getattr(self.node, "last_maddrs", None):
+            self._listen_on = fixed_port_host_maddrs(self.node.config.host_maddrs, self.node.last_maddrs)
+        self._stop_swarm()
+        commitments = self._commitments()
+        try:
+            try:
+                self._start_swarm(commitments, listen_on=self._listen_on)
+            except Exception as exc:  # noqa: BLE001 - the old port may be taken: any port will do
+                if not self._listen_on:
+                    raise
+                log.warning("swarm node: could not listen on %s again (%s); taking a new port",
+                            ", ".join(self._listen_on), exc)
+                self._listen_on = None
+                self._start_swarm(commitments)
+            self._swarm_started()
+        except Exception as exc:  # noqa: BLE001 - p2pd or an averager that will not start: retried
+            wait = self._swarm_watch.restarted(ok=False)
+            self.tel.health("swarm", ok=False, detail=f"restart failed: {exc}")
+            self.tel.event(f"swarm node: restart failed ({exc}); trying again in {wait:g}s")
+            return
+        self._swarm_watch.restarted(ok=True)
+        snap = self.tel.snapshot()
+        self._swarm_note = f"restarted {time.strftime('%H:%M:%S')} after: {reason}"
+        self.tel.update(swarm_restarts=snap.swarm_restarts + 1)
+        self.tel.health("swarm", ok=True, detail=self._swarm_note)
+        self.tel.event(f"swarm node restarted; peer id {self.node.peer_id[:12]}… unchanged")
 
     def _check_announced(self) -> None:
         """Refuse to go on (before a miner commits anything) when hivemind announces only
@@ -351,7 +427,7 @@ class NeuronBase:
             log.debug("status file not written: %r", exc)
 
     def _stop_swarm(self) -> None:
-        for step in (lambda: self.swarm.shutdown(), lambda: self.node.shutdown()):
+        for step in (lambda: self.swarm and self.swarm.shutdown(), lambda: self.node and self.node.shutdown()):
             try:
                 step()
             except Exception as exc:  # keep tearing down; report what failed

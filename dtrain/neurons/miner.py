@@ -116,9 +116,7 @@ class Miner(NeuronBase):
         try:
             # Anything that fails from here on still tears down what was started.
             self._start_swarm(self._commitments())
-            # Read once: /v1/status is public, and each read would be a round trip to the DHT process.
-            self._maddrs = self.node.visible_maddrs()
-            self._start_progress()
+            self._swarm_started()
             self._start_api()
             self._commit()
             self._start_pusher()
@@ -128,6 +126,12 @@ class Miner(NeuronBase):
         finally:
             self._shutdown()
         return 0
+
+    def _swarm_started(self) -> None:
+        # Read at each start, not per request: /v1/status is public, and each read would be a
+        # round trip to the DHT process. A restarted node may listen elsewhere: peers read it here.
+        self._maddrs = list(self.node.last_maddrs)
+        self._start_progress()
 
     def _start_api(self) -> None:
         from dtrain.api.messages import QueryLimits
@@ -220,6 +224,7 @@ class Miner(NeuronBase):
     def _loop(self) -> None:
         last_status = 0.0
         while not self.stop.is_set():
+            self._watch_swarm()  # rounds run on this thread too: never in the middle of one
             self.jobs.run_pending()
             if self._post_round:
                 # After the validator has its answer: disk work never delays a round's reply.
@@ -457,6 +462,7 @@ class Miner(NeuronBase):
         return True
 
     def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
+        self._watch_swarm(ping=False)  # a dead averager or DHT would fail the round after its whole timeout
         if self._last_round is not None and request.epoch == self._last_round[0] != self.epoch:
             # Several validators query the same round (they start rounds on a shared clock and
             # all join its group); the first query ran it, the others get its record.

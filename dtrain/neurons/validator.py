@@ -132,6 +132,7 @@ class Validator(NeuronBase):
             self._restore_dashboard()
             rounds = 0
             while not self.stop.is_set() and (self.max_rounds is None or rounds < self.max_rounds):
+                self._watch_swarm()
                 self.tel.update(state="waiting for the next round")
                 self._slot_start = next_round_start(time.time(), cfg.validator.round_interval_s)
                 self.stop.wait(max(0.0, self._slot_start - time.time()))

@@ -7,6 +7,10 @@
 - A node that reaches nobody does not crash: it starts anyway, logs a clear warning, and
   ``ensure_connected`` keeps retrying with exponential backoff. Callers that must have peers
   get a ``NoPeersReachable`` exception (a ``ConnectionError``) once their deadline passes.
+- Every call into the DHT process is bounded (:meth:`SwarmNode.call`): hivemind's own
+  ``run_coroutine`` waits forever for a process that died (the OOM killer, a crash) or hangs,
+  and the neuron's thread with it. :meth:`SwarmNode.problem` says whether the node still
+  answers; neurons restart a node that does not (dtrain/neurons/swarm_health.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,9 +29,20 @@ logger = logging.getLogger(__name__)
 
 IDENTITY_FILENAME = "p2p_identity.key"
 
+# How long one call into the DHT process may take before the node counts as not answering.
+# A routing-table read answers in milliseconds, on a loaded 2-core host in well under a second.
+DHT_CALL_TIMEOUT_S = 10.0
+# How often a bounded wait looks at whether the DHT process is still alive: a dead one is
+# noticed within this, not after the whole timeout.
+_ALIVE_POLL_S = 0.5
+
 
 class NoPeersReachable(ConnectionError):
     """None of the initial peers answered within the caller's deadline."""
+
+
+class SwarmUnavailable(RuntimeError):
+    """The DHT process died, or did not answer a call within its time."""
 
 
 @dataclass
@@ -58,6 +74,14 @@ def _peer_id_of(maddr: str) -> Optional[str]:
 
 async def _count_peers(_dht, node) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _visible_maddrs(_dht, node) -> list[str]:
+    return [str(m) for m in await node.get_visible_maddrs()]
+
+
+async def _own_peer_id(_dht, node) -> str:
+    return str(node.peer_id)
 
 
 async def _ping_all(maddrs: Sequence[str], timeout: float, _dht, node) -> int:
@@ -111,6 +135,9 @@ class SwarmNode:
         self.config = config
         self.dht = None
         self._lock = threading.Lock()
+        self._peer_id: Optional[str] = None
+        self._daemon_pid: Optional[int] = None
+        self.last_maddrs: list[str] = []  # where it listened when it started (kept after it died)
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> "SwarmNode":
@@ -150,6 +177,13 @@ class SwarmNode:
             )
             kwargs["initial_peers"] = []
             self.dht = DHTProcess(**kwargs)
+        from dtrain.swarm.hivemind_internals import daemon_pid
+
+        # Read once while the process answers: both are needed after it died (status pages
+        # name the peer id; a restart must stop the orphaned p2pd).
+        self._peer_id = self.call(_own_peer_id)
+        self._daemon_pid = self.call(daemon_pid)
+        self.last_maddrs = self.visible_maddrs()
         if self.config.initial_peers and self.num_known_peers() == 0:
             logger.warning(
                 "swarm: none of %d initial peers answered; running alone and retrying in the background of "
@@ -162,7 +196,12 @@ class SwarmNode:
         with self._lock:
             if self.dht is not None:
                 try:
+                    died = not self.dht.is_alive()
                     self.dht.shutdown()
+                    if died:
+                        # hivemind stops p2pd from inside the DHT process; a killed process
+                        # left it running (it outlives its clients for a while).
+                        stop_orphaned_daemon(self._daemon_pid)
                 finally:
                     self.dht = None
 
@@ -175,16 +214,58 @@ class SwarmNode:
     # -- facts -----------------------------------------------------------
     @property
     def peer_id(self) -> str:
-        return str(self._require().peer_id)
+        """This node's peer id (kept after shutdown: it is the identity key's, and a restarted
+        node has the same one)."""
+        if self._peer_id is None:
+            self._require()
+        return str(self._peer_id)
 
     def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self._require().get_visible_maddrs()]
+        return list(self.call(_visible_maddrs))
 
     def num_known_peers(self) -> int:
         """Peers in the DHT routing table (0 = isolated)."""
+        return int(self.call(_count_peers))
 
-        # run_coroutine pickles the function into the DHT process: module-level functions only
-        return int(self._require().run_coroutine(_count_peers))
+    # -- bounded calls and health ------------------------------------------
+    def call(self, fn, timeout_s: float = DHT_CALL_TIMEOUT_S):
+        """``dht.run_coroutine(fn)``, but raise :class:`SwarmUnavailable` when the DHT process
+        is dead, dies while we wait, or has not answered within ``timeout_s``.
+
+        ``fn`` is pickled into the DHT process: a module-level function (or a partial of one).
+        """
+        dht = self._require()
+        if not dht.is_alive():
+            raise SwarmUnavailable(_exited(dht))
+        future = dht.run_coroutine(fn, return_future=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(_ALIVE_POLL_S, deadline - time.monotonic())))
+            except TimeoutError:
+                if future.done():
+                    raise  # the coroutine's own outcome was a timeout
+            if not dht.is_alive():
+                future.cancel()
+                raise SwarmUnavailable(_exited(dht))
+            if time.monotonic() >= deadline:
+                future.cancel()  # the DHT process drops it if it ever gets to it
+                raise SwarmUnavailable(f"the DHT process did not answer within {timeout_s:g} s")
+
+    def alive(self) -> bool:
+        """Whether the DHT process runs (it may still not answer: see :meth:`problem`)."""
+        dht = self.dht
+        return dht is not None and dht.is_alive()
+
+    def problem(self, timeout_s: float = DHT_CALL_TIMEOUT_S) -> Optional[str]:
+        """Why this node cannot serve the swarm (its DHT process died or does not answer), or None."""
+        if self.dht is None:
+            return "the swarm node is not running"
+        try:
+            self.call(_count_peers, timeout_s)
+        except SwarmUnavailable as exc:
+            return str(exc)
+        return None
 
     # -- bootstrap retry ---------------------------------------------------
     def try_bootstrap_once(self) -> int:
@@ -194,7 +275,8 @@ class SwarmNode:
             return 0
         timeout = self.config.bootstrap_timeout_s
 
-        return int(self._require().run_coroutine(functools.partial(_ping_all, maddrs, timeout)))
+        # each dial and ping has its own timeout; the margin covers the self-lookup after them
+        return int(self.call(functools.partial(_ping_all, maddrs, timeout), 3 * timeout + DHT_CALL_TIMEOUT_S))
 
     def ensure_connected(
         self,
@@ -244,3 +326,46 @@ class SwarmNode:
         if self.dht is None:
             raise RuntimeError("SwarmNode is not started")
         return self.dht
+
+
+def _exited(process) -> str:
+    code = process.exitcode
+    how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in \
+        signal.valid_signals() else f"exit code {code}"
+    return f"the DHT process is not running ({how})"
+
+
+def stop_orphaned_daemon(pid: Optional[int], grace_s: float = 3.0) -> bool:
+    """Stop the p2pd daemon ``pid`` if it still runs (SIGTERM, then SIGKILL); True if one was stopped.
+
+    Only a process whose command line names p2pd is signalled: after a crash its pid may
+    have been given to something else.
+    """
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if b"p2pd" not in fh.read():
+                return False
+    except OSError:
+        return False  # gone already (or no /proc: nothing we can check, so nothing we kill)
+    logger.warning("swarm: stopping p2pd (pid %d) left behind by the dead DHT process", pid)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not os.path.exists(f"/proc/{pid}") or _is_zombie(pid):
+                return True
+            time.sleep(0.05)
+    return True
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True

@@ -62,10 +62,14 @@ def _parse(peer_id: str, value) -> Optional[PeerProgress]:
 class ProgressTracker:
     """Report local progress and read the swarm's, via plain DHT store/get with expiration."""
 
-    def __init__(self, dht, prefix: str, target_batch_size: int, expiration_s: float = 60.0):
+    def __init__(self, dht, prefix: str, target_batch_size: int, expiration_s: float = 60.0,
+                 timeout_s: float = 30.0):
         if target_batch_size <= 0:
             raise ValueError("target_batch_size must be positive")
         self.dht = dht
+        # A store or get on a DHT process that died would otherwise block its caller (the
+        # neuron's refresher thread) forever; it raises TimeoutError instead.
+        self.timeout_s = float(timeout_s)
         self.key = f"{prefix}_progress"
         self.target_batch_size = int(target_batch_size)
         self.expiration_s = float(expiration_s)
@@ -80,13 +84,14 @@ class ProgressTracker:
                 subkey=str(self.dht.peer_id),
                 value=value,
                 expiration_time=get_dht_time() + self.expiration_s,
-            )
+                return_future=True,
+            ).result(timeout=self.timeout_s)
         )
 
     def peers(self) -> list[PeerProgress]:
         from hivemind.utils.timed_storage import ValueWithExpiration
 
-        found = self.dht.get(self.key, latest=True)
+        found = self.dht.get(self.key, latest=True, return_future=True).result(timeout=self.timeout_s)
         if found is None or not isinstance(found.value, dict):
             return []
         out = []

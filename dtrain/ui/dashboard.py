@@ -52,7 +52,7 @@ def as_snapshot(obj: Snapshot | Mapping[str, Any]) -> Snapshot:
         return obj
     known = {f.name for f in dataclasses.fields(Snapshot)}
     kwargs = {k: v for k, v in dict(obj).items() if k in known}
-    for name in ("chain", "hub"):
+    for name in ("chain", "hub", "swarm"):
         if isinstance(kwargs.get(name), Mapping):
             hf = {f.name for f in dataclasses.fields(Health)}
             kwargs[name] = Health(**{k: v for k, v in kwargs[name].items() if k in hf})
@@ -258,8 +258,8 @@ def _swarm_panel(s: Snapshot, now: float) -> Panel:
 def service_lines(s: Snapshot, now: float) -> tuple[list[RenderableType], bool]:
     """Health lines of the services this role uses, and whether all are up. Only miners push
     to the model store, so a validator shows no hub row and no "last push"."""
-    lines: list[RenderableType] = [health_line("chain", s.chain, now)]
-    ok = s.chain.ok
+    lines: list[RenderableType] = [health_line("chain", s.chain, now), health_line("swarm", s.swarm, now)]
+    ok = s.chain.ok and s.swarm.ok
     if s.role == "miner":
         push = Text("last push ", style="bold")
         push.append(s.last_push or "none yet", style="" if s.last_push else "dim")

@@ -256,15 +256,18 @@ def sit_out_report(plan: GroupPlan, round_id: str, reason: str) -> dict:
 
 
 def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), banned=(),
-                 failed_reducers: Optional[dict] = None, bytes_sent: int = 0, bytes_received: int = 0,
-                 total_size: int = 0, failed_size: int = 0) -> dict:
+                 failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
+                 bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
     ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
     a part larger than announced / a part contradicting its commitment); ``banned``: senders
-    banned for any reason; ``failed_reducers``: reducer -> why its share stayed local. Peer ids.
+    banned for any reason; ``failed_reducers``: reducer -> why its share stayed local;
+    ``sending_failures``: reducer -> why *we* could not send it our parts (our fault: we are
+    FAIL, the reducer is not). Peer ids.
     """
     failed_reducers = failed_reducers or {}
+    sending_failures = sending_failures or {}
     me = plan.peer_ids[plan.me]
     peers = []
     for i, peer in enumerate(plan.peer_ids):
@@ -275,6 +278,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
             outcome, reason = Outcome.FAIL, f"out-of-scale contribution (norm {plan.norms[i]:.3g})"
         elif i in plan.unbound:
             outcome, reason = Outcome.FAIL, plan.unbound[i]
+        elif peer == me and sending_failures:
+            outcome, reason = Outcome.FAIL, "could not send its parts: " + next(iter(sending_failures.values()))
         elif peer == me:
             outcome = Outcome.SUCCESS
         elif peer in contradicted:

@@ -28,9 +28,17 @@ class Interrupted(Exception):
     """A wait was abandoned because the caller's stop event was set."""
 
 
+class NoAnswer(FutureTimeout):
+    """A wait ran out of its own time (not the future's own timeout error)."""
+
+
 # How often a blocked wait looks at its stop event: short enough that SIGINT ends a neuron
 # promptly, long enough to cost nothing.
 _STOP_POLL_S = 0.25
+# Beyond a round's matchmaking and all-reduce timeouts, how long the caller waits for the
+# averager process before it counts the process as hung (its record says so; the neuron then
+# restarts the swarm node, dtrain/neurons/swarm_health.py).
+AVERAGER_GRACE_S = 30.0
 
 
 def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Optional[float] = None):
@@ -39,7 +47,8 @@ def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Opti
     hivemind's futures block in a lock that a signal does not wake; a neuron that got SIGINT
     mid-round would otherwise sit out the whole matchmaking and all-reduce timeouts before it
     could save its checkpoint and leave. Raises ``concurrent.futures.TimeoutError`` (and
-    cancels the future) after ``timeout_s``.
+    cancels the future) after ``timeout_s``: a :class:`NoAnswer`, which callers can tell from the
+    future's own TimeoutError.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -49,7 +58,7 @@ def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Opti
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             future.cancel()
-            raise FutureTimeout(f"no answer within {timeout_s:g} s")
+            raise NoAnswer(f"no answer within {timeout_s:g} s")
         wait_s = _STOP_POLL_S if remaining is None else min(_STOP_POLL_S, remaining)
         try:
             return future.result(timeout=wait_s)
@@ -179,17 +188,23 @@ class GradientSwarm:
         started = time.time()
         t0 = time.monotonic()
         result, error = None, ""
+        step_timeout = timeout_s if timeout_s is not None else cfg.matchmaking_timeout_s
         try:
             self._step = self._averager.step(
                 gather=gather,
                 weight=float(min(weight, cap)),
-                timeout=timeout_s if timeout_s is not None else cfg.matchmaking_timeout_s,
+                timeout=step_timeout,
                 allow_retries=True,
                 wait=False,
             )
-            result = wait_unless_stopped(self._step, stop)
+            # hivemind's step has no overall deadline: an averager process that died (or whose
+            # DHT died) would leave this wait open for ever.
+            result = wait_unless_stopped(self._step, stop, step_timeout + cfg.allreduce_timeout_s + AVERAGER_GRACE_S)
             if result is None:
                 error = "no group formed"
+        except NoAnswer:
+            error = (f"the averager process did not finish the round within "
+                     f"{step_timeout + cfg.allreduce_timeout_s + AVERAGER_GRACE_S:g} s")
         except Exception as e:  # hivemind surfaces matchmaking failures as various exception types
             error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
         record = RoundRecord(
@@ -253,9 +268,21 @@ class GradientSwarm:
         from dtrain.swarm.node import _ping_peer_ids
 
         try:
-            return self.dht.run_coroutine(functools.partial(_ping_peer_ids, list(peer_ids), timeout_s))
+            future = self.dht.run_coroutine(functools.partial(_ping_peer_ids, list(peer_ids), timeout_s),
+                                            return_future=True)
+            # bounded: a DHT process that died never answers (the pings time out after timeout_s)
+            return future.result(timeout=timeout_s + 5.0)
         except Exception:
             return {p: False for p in peer_ids}
+
+    def problem(self) -> Optional[str]:
+        """Why this swarm's averager cannot take part in rounds (its process is gone), or None."""
+        averager = self._averager
+        if averager is None:
+            return "the averager is shut down"
+        if not averager.is_alive():
+            return f"the averager process is not running (exit code {averager.exitcode})"
+        return None
 
     def set_state_priority(self, priority: float) -> None:
         """Peers catching up download from the highest priority; neurons use their epoch."""

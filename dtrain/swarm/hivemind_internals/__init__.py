@@ -46,7 +46,12 @@ from dtrain.swarm.hivemind_internals.averager import (  # noqa: E402
     Group,
     MatchmakingException,
 )
-from dtrain.swarm.hivemind_internals.processes import DHTProcess, dial, undeclare_in_background  # noqa: E402
+from dtrain.swarm.hivemind_internals.processes import (  # noqa: E402
+    DHTProcess,
+    daemon_pid,
+    dial,
+    undeclare_in_background,
+)
 from dtrain.swarm.hivemind_internals.runner import ButterflyRunner, CountingStub  # noqa: E402
 from dtrain.swarm.hivemind_internals.shims import (  # noqa: E402
     BlockwiseAbsmax8BitCompression,
@@ -74,6 +79,7 @@ __all__ = [
     "MatchmakingException",
     "UnsupportedHivemind",
     "compression",
+    "daemon_pid",
     "deserialize_part",
     "dial",
     "install_shims",

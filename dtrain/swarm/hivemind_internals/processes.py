@@ -51,6 +51,17 @@ class DHTProcess(ServesCommandPipe, hivemind.DHT):
                                 self._start_timeout_s if timeout is None else timeout)
 
 
+async def daemon_pid(_dht, node) -> Optional[int]:
+    """The pid of the p2pd daemon a DHT process started (run through ``dht.run_coroutine``).
+
+    When the DHT process is killed, its p2pd lives on: hivemind's averager holds a client of
+    the same daemon, and p2pd only exits after its clients were idle for a while. A node that
+    restarts itself must stop that orphan first, or the new daemon cannot take a fixed port.
+    """
+    child = getattr(node.p2p, "_child", None)
+    return None if child is None else int(child.pid)
+
+
 async def dial(node, peer_id: str, transport, timeout: float) -> None:
     """Make the p2pd of a DHT node (the ``node`` of ``dht.run_coroutine``) connect to a peer.
 

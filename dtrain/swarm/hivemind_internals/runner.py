@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Optional
 
 import torch
@@ -11,6 +12,12 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
+
+logger = logging.getLogger(__name__)
+
+
+class SendingFailed(AllreduceException):
+    """Our own parts could not be produced or written to a reducer; the stream was aborted."""
 
 
 class ButterflyRunner(AllReduceRunner):
@@ -33,6 +40,7 @@ class ButterflyRunner(AllReduceRunner):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.failed_reducers: dict[str, str] = {}  # reducer peer id -> why its share stayed local
+        self.sending_failures: dict[str, str] = {}  # reducer peer id -> why we could not send it our parts
         old = self.tensor_part_reducer  # hivemind's: retired quietly, replaced by ours (same shapes)
         old.finished.set()
         old.current_part_future.cancel()
@@ -105,6 +113,7 @@ class ButterflyRunner(AllReduceRunner):
         """What happened in this round, in plain values (for the round report)."""
         container = self.tensor_part_container
         return dict(banned={str(p) for p in self.banned_senders}, failed_reducers=dict(self.failed_reducers),
+                    sending_failures=dict(self.sending_failures),
                     bytes_sent=int(self.bytes_sent), bytes_received=int(self.bytes_received),
                     total_size=int(container.total_size), failed_size=int(container.failed_size))
 
@@ -132,6 +141,10 @@ class ButterflyRunner(AllReduceRunner):
             return
         try:
             await super()._communicate_with_peer(peer_id)
+        except SendingFailed as e:
+            # our fault, not the reducer's: its share keeps our local values all the same
+            self.sending_failures[str(peer_id)] = str(e)[:200]
+            raise
         except BaseException as e:
             self.on_reducer_failed(str(peer_id), repr(e)[:200] or type(e).__name__)
             raise
@@ -193,21 +206,53 @@ class ButterflyRunner(AllReduceRunner):
 
 
 class CountingStub:
-    """Wraps a hivemind stub: counts the bytes of the averaged parts we receive back, and hangs
-    up as soon as the last expected part is in (the reducer waits for that, see
-    ButterflyRunner.rpc_aggregate_part)."""
+    """Wraps a hivemind stub: counts the bytes of the averaged parts we receive back, hangs up
+    as soon as the last expected part is in (the reducer waits for that, see
+    ButterflyRunner.rpc_aggregate_part), and aborts the stream at once when our writer fails.
+
+    hivemind writes a stream's requests from a separate task and looks at that task only after
+    the last reply. A part that fails to encode (or to be written) ended that task quietly:
+    the reducer then waited its sender timeout for our next part and we our reducer timeout
+    for its reply, and nobody said why. Here a failure of the writer is logged with its
+    traceback, ends the read at once (which closes our end of the stream, so the reducer
+    hears it too) and is raised as :class:`SendingFailed`: the share of that reducer keeps our
+    local values, as for any failed reducer.
+    """
 
     def __init__(self, stub, runner, expected_parts: int):
         self._stub, self._runner, self._expected = stub, runner, expected_parts
 
     async def rpc_aggregate_part(self, inputs):
-        stream = await self._stub.rpc_aggregate_part(inputs)
+        failed: asyncio.Future = asyncio.get_event_loop().create_future()
+
+        async def watched_inputs():
+            try:
+                async for msg in inputs:
+                    yield msg
+            except Exception as exc:
+                logger.warning("swarm: writing our parts to a reducer failed; aborting that stream", exc_info=True)
+                if not failed.done():
+                    failed.set_result(exc)
+                raise
+
+        stream = await self._stub.rpc_aggregate_part(watched_inputs())
         runner, expected = self._runner, self._expected
 
         async def counted():
             received = 0
             try:
-                async for msg in stream:
+                while True:
+                    reply = asyncio.ensure_future(stream.__anext__())
+                    await asyncio.wait({reply, failed}, return_when=asyncio.FIRST_COMPLETED)
+                    if not reply.done():  # our writer failed first: stop reading, close the stream
+                        reply.cancel()
+                        await asyncio.gather(reply, return_exceptions=True)
+                        exc = failed.result()
+                        raise SendingFailed(f"could not send our parts: {exc!r}"[:300]) from exc
+                    try:
+                        msg = reply.result()
+                    except StopAsyncIteration:
+                        break
                     runner.bytes_received += msg.ByteSize()
                     yield msg
                     if msg.code == averaging_pb2.AVERAGED_PART:
