@@ -14,7 +14,8 @@ Answering validators:
 - ``copycat``: answers a Train challenge with another miner's pages (the neighbouring uid's).
 - ``freeloader``: trains and answers, but never joins the averaging.
 
-What goes into the all-reduce (each trains and answers Train queries honestly):
+What goes into the all-reduce (each trains and answers Train queries honestly, and joins only
+a round it has trained for: see ``_AlteredContribution``):
 
 - ``inflated-weight``: claims a huge sample count.
 - ``poisoner``: sends scaled, noisy gradients.
@@ -91,10 +92,29 @@ class Freeloader(AdversarialMiner):
 
 
 class _AlteredContribution(AdversarialMiner):
-    """Trains honestly and commits its honest work report, then sends ``alter(mean)``."""
+    """Trains honestly and commits its honest work report, then sends ``alter(mean)``.
+
+    It joins only a round it has trained for. With nothing trained this epoch (it has just
+    caught up, e.g. after its previous round refused it and left it an epoch behind) its
+    contribution would carry weight 0: the swarm checks neither the scale nor the binding of
+    a peer that brings no weight (there is nothing of it to average), so it would pass as an
+    honest weight-0 peer (SUCCESS), or not, by how the catch-up raced the round. It sits
+    such a round out instead: every round it joins is one it cheats in.
+    """
 
     def alter(self, mean: list) -> list:
         raise NotImplementedError
+
+    def _do_round(self, request):
+        # Runs on the training thread, like a catch-up: the epoch and samples read here are
+        # the ones the honest round below would contribute with.
+        if request.epoch == self.epoch and self._samples_this_epoch() <= 0:
+            from dtrain.api.messages import AllReduceResponse
+
+            self.tel.event(f"round for epoch {request.epoch}: sitting it out (nothing trained this epoch to alter)")
+            return AllReduceResponse(joined=False, epoch=self.epoch, round=None,
+                                     reason="nothing trained this epoch to alter")
+        return super()._do_round(request)
 
     def _contribution(self, samples, weight_cap):
         honest = super()._contribution(samples, weight_cap)
