@@ -158,3 +158,27 @@ def test_the_loops_retry_reaches_the_swarm_once_a_peer_serves_it(swarm):
     miner.swarm = None
     miner._run_pending_catch_up()
     assert miner._pending_catch_up is None
+
+
+def test_a_miner_the_group_averaged_without_catches_up_at_once():
+    # Refused or left out of a round that the others averaged: the swarm is at the next epoch,
+    # so the miner schedules that catch-up itself instead of waiting for the next Train query
+    # to find it a round behind (and to be scored down for it).
+    from dtrain.neurons.miner import Miner
+    from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
+    from dtrain.telemetry import Telemetry
+
+    miner = Miner(bench_config(), Telemetry("miner"), threading.Event())
+
+    def record(mine: Outcome, others_weight: float, group=("me", "a", "b")) -> RoundRecord:
+        r = RoundRecord(round_id="r", local_peer_id="me", started_at=0.0, duration_s=1.0, num_elements=10,
+                        model_fingerprint="fp", compression="none", mode="gradient")
+        r.group = list(group)
+        r.peers = [PeerResult("me", mine, 8.0, 8.0 if mine == Outcome.SUCCESS else 0.0)]
+        r.peers += [PeerResult(p, Outcome.SUCCESS, 8.0, others_weight / 2) for p in group if p != "me"]
+        return r
+
+    assert miner._group_went_on_without_us(record(Outcome.FAIL, 16.0))
+    assert not miner._group_went_on_without_us(record(Outcome.SUCCESS, 16.0))  # we took the step too
+    assert not miner._group_went_on_without_us(record(Outcome.FAIL, 0.0))  # nobody averaged anything
+    assert not miner._group_went_on_without_us(record(Outcome.FAIL, 16.0, group=("me",)))  # no group at all

@@ -118,3 +118,16 @@ def test_forming_early_means_every_name_is_present(members):
         for m in members:
             assert m.expect is None or m.expect <= present
         assert any(m.weight == 0.0 and m.expect for m in members)
+
+
+def test_a_leader_leaves_out_followers_whose_wait_has_run_out():
+    from dtrain.swarm.averaging.assembly import lapsed_followers
+
+    # a follower gives up at its request's expiration + request_timeout (3 s here); the BEGIN
+    # needs time on the wire, so half of that is the margin
+    deadlines = {"early": 100.0, "late": 110.0}
+    assert lapsed_followers(deadlines, now=100.0, request_timeout=3.0) == set()  # on time
+    assert lapsed_followers(deadlines, now=101.4, request_timeout=3.0) == set()  # 1.6 s left
+    assert lapsed_followers(deadlines, now=101.6, request_timeout=3.0) == {"early"}  # 1.4 s left: too late
+    assert lapsed_followers(deadlines, now=120.0, request_timeout=3.0) == {"early", "late"}
+    assert lapsed_followers({}, now=120.0, request_timeout=3.0) == set()

@@ -121,3 +121,44 @@ def test_missing_and_killed_expected_peers_cost_the_window_not_the_round(nodes):
     assert validator.outcome_of(idle) == Outcome.NON_PARTICIPATING
     assert validator.outcome_of(victim_id) == Outcome.NOT_ALIVE
     assert miner.outcome_of(nodes[0].peer_id) == Outcome.SUCCESS
+
+
+def test_a_follower_left_out_by_its_leader_is_told_and_nobody_waits_for_it(nodes):
+    # A leader leaves out a follower whose wait has run out (assembly.lapsed_followers); here
+    # the leaders' rule names the third peer outright, to see what happens next: it is told
+    # the group was disbanded (no group for it), and the two others average without it, both
+    # SUCCESS, neither blamed for it. The third is a client, so it can never be the leader.
+    from dtrain.swarm.averaging.averager import SwarmAverager
+
+    cfg = _cfg(target_group_size=3, min_group_size=2)
+    left_out = {str(nodes[2].dht.peer_id)}  # known before the averager processes fork
+
+    class LeavesOut(SwarmAverager):
+        def followers_to_leave_out(self, deadlines, now, request_timeout):
+            return super().followers_to_leave_out(deadlines, now, request_timeout) | left_out
+
+    class Swarm(GradientSwarm):
+        def _new_averager(self, buffers, dht, **kwargs):
+            return LeavesOut(buffers, dht, **kwargs)
+
+    from dataclasses import replace
+
+    swarms = [Swarm(nodes[i].dht, [torch.zeros(NUMEL)], "model-a", cfg) for i in range(2)]
+    swarms.append(GradientSwarm(nodes[2].dht, [torch.zeros(NUMEL)], "model-a", replace(cfg, client_mode=True)))
+    data = [[torch.full((NUMEL,), v)] for v in (1.0, 3.0, 5.0)]
+    before = [d[0].clone() for d in data]
+    try:
+        records = run_concurrently(
+            [lambda i=i: swarms[i].run_round(data[i], weight=1.0, cap=1.0, timeout_s=30) for i in range(3)],
+            timeout_s=DEADLINE_S)
+    finally:
+        for s in swarms:
+            s.shutdown()
+    victim = swarms[2].peer_id
+    assert records[2].error, records[2].peers  # it found no group
+    for r in records[:2]:
+        assert sorted(r.group) == sorted(s.peer_id for s in swarms[:2]), r.group
+        assert all(p.outcome == Outcome.SUCCESS for p in r.peers), r.peers
+        assert victim not in r.group
+    check_round_contract(before[:2], [d[0] for d in data[:2]], records[:2])
+    assert torch.equal(data[2][0], before[2])  # the left-out peer kept its own values

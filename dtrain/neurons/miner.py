@@ -487,6 +487,11 @@ class Miner(NeuronBase):
                                       timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop,
                                       work=report, work_nonce=work_nonce(self.bench.run_id, self.epoch))
         metrics = self._apply_round(record, mean)
+        if metrics is None and self._group_went_on_without_us(record):
+            # The others took this round's step: we are a round behind from now on, and the
+            # next validator's Train query would find us at the old epoch. Catch up now, not
+            # when that query tells us.
+            self._schedule_catch_up(CatchUpTarget(epoch=round_epoch + 1))
         if metrics is not None:
             from dtrain.neurons.publish import round_facts
 
@@ -509,6 +514,13 @@ class Miner(NeuronBase):
         if metrics is not None:
             self._last_round = (round_epoch, answer)
         return answer
+
+    def _group_went_on_without_us(self, record) -> bool:
+        """Whether the group of a round we did not take the step of averaged without us (we
+        were refused or left out): the rest of the swarm moves to the next epoch."""
+        mine = record.outcome_of(record.local_peer_id)
+        others = sum(p.weight_used for p in record.peers if p.peer_id != record.local_peer_id)
+        return len(record.group) > 1 and mine is not None and mine.value != "SUCCESS" and others > 0
 
     def _state_slice(self, offset: int, length: int, snapshot: tuple[int, int] | None = None) -> bytes:
         """Bytes of the current (shared) parameters, float32, for the validator's bandwidth check;

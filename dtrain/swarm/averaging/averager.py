@@ -18,7 +18,7 @@ import torch
 
 from dtrain.swarm import startup
 from dtrain.swarm.averaging import group_rules
-from dtrain.swarm.averaging.assembly import claim_from_gather_bytes, ready_to_assemble
+from dtrain.swarm.averaging.assembly import claim_from_gather_bytes, lapsed_followers, ready_to_assemble
 from dtrain.swarm.averaging.runner import CheckedRunner
 from dtrain.swarm.hivemind_internals import AveragerProcess, Group, load_balance
 
@@ -95,6 +95,9 @@ class SwarmAverager(AveragerProcess):
             logger.debug("every expected peer joined: forming the group of %d now", len(claims))
             return True
         return False
+
+    def followers_to_leave_out(self, deadlines: dict, now: float, request_timeout: float) -> set:
+        return lapsed_followers(deadlines, now, request_timeout)
 
     # -- one group ---------------------------------------------------------------------------
     async def average_with_group(self, group: Group) -> dict:

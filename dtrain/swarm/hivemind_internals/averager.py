@@ -161,7 +161,32 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         undeclare_in_background(self._matchmaking.group_key_manager)
+        self._leave_out_lapsed_followers(self._matchmaking)
         return await super()._step(step=step, future_for_init=future_for_init)
+
+    def followers_to_leave_out(self, deadlines: dict[str, float], now: float, request_timeout: float) -> set[str]:
+        """Hook: as a leader forming its group at ``now``, the followers (peer id -> the expiration
+        their join request named) that must not be counted in. None by default."""
+        return set()
+
+    def _leave_out_lapsed_followers(self, mm) -> None:
+        """Wrap the matchmaking's ``leader_assemble_group`` (once): the followers the hook names
+        are dropped from ``current_followers`` first. Their join handlers then tell them the
+        group was disbanded, as for any follower the group was formed without."""
+        if getattr(mm, "_dtrain_leaves_out", False):
+            return
+        assemble = mm.leader_assemble_group
+
+        async def leader_assemble_group():
+            deadlines = {str(peer): float(request.expiration) for peer, request in mm.current_followers.items()}
+            drop = self.followers_to_leave_out(deadlines, get_dht_time(), float(mm.request_timeout))
+            for peer in [p for p in mm.current_followers if str(p) in drop]:
+                logger.warning("swarm: leaving out follower %s: its wait for this group has run out", peer)
+                del mm.current_followers[peer]
+            return await assemble()
+
+        mm.leader_assemble_group = leader_assemble_group
+        mm._dtrain_leaves_out = True
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         # hivemind sets SIGINT to SIG_IGN in the *calling* process so the forked child ignores
