@@ -136,7 +136,8 @@ def test_weight_above_committed_samples_and_missing_commitment_are_refused(nodes
     for r in recs[:2]:
         assert "claims weight 16 but committed 8 samples" in _reason(r, swarms[2].peer_id)
         assert _reason(r, swarms[3].peer_id) == "no work commitment"
-        assert r.outcome_of(swarms[0].peer_id) == r.outcome_of(swarms[1].peer_id) == Outcome.SUCCESS
+        assert r.outcome_of(swarms[0].peer_id) == r.outcome_of(swarms[1].peer_id) == Outcome.SUCCESS, \
+            [(p.peer_id[-6:], p.outcome.value, p.reason) for p in r.peers]
 
 
 def test_centered_clip_bounds_an_unchecked_attacker(nodes):

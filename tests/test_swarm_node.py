@@ -142,3 +142,30 @@ def test_a_frozen_dht_process_is_reported_within_the_call_timeout(tmp_path):
 
 async def _count_peers_for_test(_dht, node) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def test_a_killed_averager_process_is_reported_and_a_round_does_not_wait_for_it(tmp_path):
+    import os
+    import signal
+
+    import torch
+
+    from dtrain.neurons.swarm_health import look_at
+    from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+
+    with SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path / "n"), host_maddrs=LOOP)) as node:
+        cfg = AveragingConfig(prefix="dead-averager", allow_state_sharing=False, matchmaking_timeout_s=60,
+                              allreduce_timeout_s=5)
+        swarm = GradientSwarm(node.dht, [torch.zeros(16)], "fp", cfg)
+        try:
+            assert swarm.problem() is None and look_at(node, swarm).problem is None
+            os.kill(swarm._averager.pid, signal.SIGKILL)
+            swarm._averager.join(10)
+            assert "averager process is not running" in swarm.problem()
+            finding = look_at(node, swarm, ping=False)
+            assert finding.dead and "averager" in finding.problem
+            # the round's wait is bounded: it ends with an error instead of hanging the caller
+            record = swarm.run_round([torch.ones(16)], weight=1, cap=1)
+            assert "averager process is not running" in record.error, record.error
+        finally:
+            swarm.shutdown()

@@ -41,14 +41,16 @@ _STOP_POLL_S = 0.25
 AVERAGER_GRACE_S = 30.0
 
 
-def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Optional[float] = None):
+def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Optional[float] = None,
+                        alive: Optional[Callable[[], bool]] = None):
     """``future.result(timeout_s)``, but cancel the future and raise :class:`Interrupted` once ``stop`` is set.
 
     hivemind's futures block in a lock that a signal does not wake; a neuron that got SIGINT
     mid-round would otherwise sit out the whole matchmaking and all-reduce timeouts before it
     could save its checkpoint and leave. Raises ``concurrent.futures.TimeoutError`` (and
     cancels the future) after ``timeout_s``: a :class:`NoAnswer`, which callers can tell from the
-    future's own TimeoutError.
+    future's own TimeoutError. With ``alive`` (whether the process that owes the answer still
+    runs), a dead one ends the wait at once, with a :class:`NoAnswer` that says so.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -65,6 +67,9 @@ def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Opti
         except FutureTimeout:
             if future.done():  # the future's own outcome is a timeout (Python 3.11: one class)
                 raise
+        if alive is not None and not future.done() and not alive():
+            future.cancel()
+            raise NoAnswer("the process that owed the answer is not running")
 
 
 class GradientSwarm:
@@ -92,7 +97,9 @@ class GradientSwarm:
         self._buffers = [torch.zeros_like(t, device="cpu").float() for t in templates]
         self._schema = schema_hash(self._buffers)
         self._log = RoundLog(self.config.log_path) if self.config.log_path else None
-        self.records: list[RoundRecord] = []
+        # Only the last round is kept in memory (a neuron runs for weeks); the round log on
+        # disk (config.log_path) keeps them all.
+        self.last_record: Optional[RoundRecord] = None
         self._step = None
         self._layout = None
         cfg = self.config
@@ -199,11 +206,14 @@ class GradientSwarm:
             )
             # hivemind's step has no overall deadline: an averager process that died (or whose
             # DHT died) would leave this wait open for ever.
-            result = wait_unless_stopped(self._step, stop, step_timeout + cfg.allreduce_timeout_s + AVERAGER_GRACE_S)
+            averager = self._averager
+            result = wait_unless_stopped(self._step, stop, step_timeout + cfg.allreduce_timeout_s + AVERAGER_GRACE_S,
+                                         alive=averager.is_alive)
             if result is None:
                 error = "no group formed"
         except NoAnswer:
-            error = (f"the averager process did not finish the round within "
+            error = ("the averager process is not running" if not self._averager.is_alive() else
+                     "the averager process did not finish the round within "
                      f"{step_timeout + cfg.allreduce_timeout_s + AVERAGER_GRACE_S:g} s")
         except Exception as e:  # hivemind surfaces matchmaking failures as various exception types
             error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
@@ -230,7 +240,7 @@ class GradientSwarm:
             for p in missing:
                 outcome = Outcome.NON_PARTICIPATING if alive.get(p) else Outcome.NOT_ALIVE
                 record.peers.append(PeerResult(p, outcome, reason="did not join the group"))
-        self.records.append(record)
+        self.last_record = record
         if self._log is not None:
             self._log.append(record)
         return record
