@@ -267,3 +267,20 @@ def test_gather_and_schema():
     assert a == gr.schema_hash([torch.ones(3, 4), torch.ones(5)])  # shapes, not values
     assert a != gr.schema_hash([torch.zeros(4, 3), torch.zeros(5)])
     assert a != gr.schema_hash([torch.zeros(3, 4, dtype=torch.float64), torch.zeros(5)])
+
+
+def test_a_member_that_never_started_the_round_is_told_from_one_that_failed_it():
+    # peer1: never sent us a part, and its reducer answered "not in this group": a follower the
+    # leader counted in after it had left matchmaking. peer2: never sent either, but its
+    # reducer served (or timed out): it was in the round and failed it. peer3: started, then banned.
+    p = plan([gather()] * 4)
+    pid = ids(4)
+    rep = gr.round_report(p, round_id="r", banned={pid[1], pid[2], pid[3]}, never_started={pid[1], pid[2]},
+                          failed_reducers={pid[1]: "AllreduceException('peer1 sent BAD_GROUP_ID')",
+                                           pid[2]: "TimeoutError()"})
+    got = [(x["outcome"], x["reason"]) for x in rep["peers"]]
+    assert got[1] == ("NON_PARTICIPATING",
+                      "counted into the group after it had left matchmaking: it never started this round")
+    assert got[2] == ("FAIL", "banned as sender (timeout, disconnect or protocol error)")
+    assert got[3] == ("FAIL", "banned as sender (timeout, disconnect or protocol error)")
+    assert [x["weight_used"] for x in rep["peers"]] == [8.0, 0.0, 0.0, 0.0]

@@ -255,8 +255,13 @@ def sit_out_report(plan: GroupPlan, round_id: str, reason: str) -> dict:
         out_of_step=reason, work_reports=plan.work_reports())
 
 
+# What a reducer answers a part for a group it is not in (hivemind's message code): the member
+# was counted into this group but never started it.
+NOT_IN_GROUP = "BAD_GROUP_ID"
+
+
 def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), banned=(),
-                 failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
+                 never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
                  bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
@@ -264,7 +269,14 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
     a part larger than announced / a part contradicting its commitment); ``banned``: senders
     banned for any reason; ``failed_reducers``: reducer -> why its share stayed local;
     ``sending_failures``: reducer -> why *we* could not send it our parts (our fault: we are
-    FAIL, the reducer is not). Peer ids.
+    FAIL, the reducer is not); ``never_started``: senders that never opened a stream to us.
+    Peer ids.
+
+    A member that never sent us anything *and* whose reducer said it is not in this group
+    (:data:`NOT_IN_GROUP`) was counted into the group after it had left matchmaking (a
+    leader's late "begin", hivemind): it is NON_PARTICIPATING, not FAIL. The record tells
+    it apart from a member that started the round and then failed it. (A peer that fakes
+    this gains nothing: both outcomes score 0 for the round.)
     """
     failed_reducers = failed_reducers or {}
     sending_failures = sending_failures or {}
@@ -288,6 +300,9 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
             outcome, reason = Outcome.FAIL, "sent a part larger than its announced norm"
         elif peer in rejected:
             outcome, reason = Outcome.FAIL, "sent non-finite values"
+        elif peer in never_started and NOT_IN_GROUP in failed_reducers.get(peer, ""):
+            outcome, reason = (Outcome.NON_PARTICIPATING,
+                               "counted into the group after it had left matchmaking: it never started this round")
         elif peer in banned:
             outcome, reason = Outcome.FAIL, "banned as sender (timeout, disconnect or protocol error)"
         elif peer in failed_reducers:

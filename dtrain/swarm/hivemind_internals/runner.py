@@ -114,6 +114,8 @@ class ButterflyRunner(AllReduceRunner):
         container = self.tensor_part_container
         return dict(banned={str(p) for p in self.banned_senders}, failed_reducers=dict(self.failed_reducers),
                     sending_failures=dict(self.sending_failures),
+                    never_started={str(p) for p in self.sender_peer_ids
+                                   if p not in self.active_senders and p != self.peer_id},
                     bytes_sent=int(self.bytes_sent), bytes_received=int(self.bytes_received),
                     total_size=int(container.total_size), failed_size=int(container.failed_size))
 
