@@ -140,13 +140,30 @@ def process_sample(pid: int) -> dict | None:
     rollup = _read(f"/proc/{pid}/smaps_rollup")
     pss_kb = _status_kb(rollup, "Pss") if rollup else None
     uss_kb = ((_status_kb(rollup, "Private_Clean") or 0) + (_status_kb(rollup, "Private_Dirty") or 0)) if rollup else 0
-    try:
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        fds = 0
+    fd_types = open_fd_types(pid)
     return {"pss": (pss_kb if pss_kb is not None else rss_kb) * 1024, "rss": rss_kb * 1024,
             "anon": anon_kb * 1024, "uss": uss_kb * 1024,
-            "fds": fds, "threads": threads, "procs": 1, "pss_exact": pss_kb is not None}
+            "fds": sum(fd_types.values()), "threads": threads, "procs": 1, "pss_exact": pss_kb is not None,
+            "fd_types": fd_types}
+
+
+def open_fd_types(pid: int) -> dict[str, int]:
+    """Open descriptors of ``pid`` by what they point at: socket, pipe, anon_inode (eventfd,
+    epoll...), file, or other; so a rise can be traced to a kind of resource."""
+    counts: dict[str, int] = {}
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return counts
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue  # closed between the listing and the read
+        kind = target.split(":", 1)[0] if target.startswith(("socket:", "pipe:", "anon_inode:")) else \
+            ("file" if target.startswith("/") else "other")
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -201,10 +218,12 @@ def tree_sample(root: int, table: dict[int, dict] | None = None) -> dict | None:
         if s is None:
             continue
         exact = exact and s["pss_exact"]
-        bucket = by_kind.setdefault(kinds.get(st["pid"], "other"), dict.fromkeys(METRICS, 0))
+        bucket = by_kind.setdefault(kinds.get(st["pid"], "other"), {**dict.fromkeys(METRICS, 0), "fd_types": {}})
         for m in METRICS:
             total[m] += s[m]
             bucket[m] += s[m]
+        for kind, count in s["fd_types"].items():
+            bucket["fd_types"][kind] = bucket["fd_types"].get(kind, 0) + count
     return {**total, "pss_exact": exact, "kinds": by_kind}
 
 
@@ -275,6 +294,9 @@ def analyse(samples: list[dict], warmup: int, *, budget_pct: float = BUDGET_PCT_
             kr = [(r, t["kinds"][kind]) for r, t in rows if kind in t["kinds"]]
             entry["kinds"][kind] = {m: series_growth([r for r, _ in kr], [k[m] for _, k in kr], budget_pct=budget_pct)
                                     for m in present}
+            # what the descriptors point at, first and last sample after warm-up (a rise is traced to a type)
+            entry["kinds"][kind]["fd_types"] = {"first": dict(kr[0][1].get("fd_types") or {}),
+                                                "last": dict(kr[-1][1].get("fd_types") or {})}
             # A kind's slope in % of the whole tree's starting footprint (Pss), what the budget is of.
             for m in MEMORY_METRICS:
                 if m in present:
@@ -310,6 +332,14 @@ def _fmt_bytes(n: float) -> str:
             return f"{sign}{n:.1f} {unit}" if unit != "B" else f"{sign}{n:.0f} B"
         n /= 1024
     return f"{sign}{n:.1f} GB"
+
+
+def _fd_types_change(types: dict | None) -> str:
+    """'  fd types socket 12->14 pipe 6->6 ...' (empty for documents written before types were kept)."""
+    if not types or not (types["first"] or types["last"]):
+        return ""
+    names = sorted(set(types["first"]) | set(types["last"]))
+    return "  fd types " + " ".join(f"{n} {types['first'].get(n, 0)}->{types['last'].get(n, 0)}" for n in names)
 
 
 def _validator_round(root: Path) -> int | None:
@@ -432,7 +462,7 @@ def render(result: dict) -> str:
                        f"{_fmt_bytes(p['slope_per_round']):>10}/round {p['pct_of_tree_per_round']:>8.4f}%  "
                        f"Pss {_fmt_bytes(k['pss']['slope_per_round']):>10}/round  "
                        f"fds {k['fds']['min']:.0f}-{k['fds']['max']:.0f}  threads {k['threads']['min']:.0f}-"
-                       f"{k['threads']['max']:.0f}")
+                       f"{k['threads']['max']:.0f}{_fd_types_change(k.get('fd_types'))}")
     out.append("")
     out.append(f"{label} per round, whole run (warm-up included):")
     for name in a["trees"]:

@@ -197,3 +197,22 @@ def test_p2pd_and_forked_children_are_told_apart():
     kinds = soak.classify(tree, r)
     assert kinds == {r: "neuron", r + 1: "dht", r + 2: "averager", r + 3: "p2pd", r + 4: "forked",
                      r + 5: "torch_shm"}
+
+
+def test_open_descriptors_are_counted_by_type():
+    import os
+    import socket
+
+    open_fd_types = soak.open_fd_types
+    before = open_fd_types(os.getpid())
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    try:
+        after = open_fd_types(os.getpid())
+    finally:
+        os.close(r)
+        os.close(w)
+        a.close()
+        b.close()
+    assert after.get("pipe", 0) - before.get("pipe", 0) == 2
+    assert after.get("socket", 0) - before.get("socket", 0) == 2
