@@ -182,9 +182,15 @@ class GradientSwarm:
         if not (math.isfinite(weight) and weight >= 0 and math.isfinite(cap) and cap >= 0):
             raise ValueError("weight and cap must be finite and >= 0")
         cfg = self.config
-        with self._averager.get_tensors() as bufs:
-            for b, t in zip(bufs, tensors):
-                b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
+        problem = self.problem()
+        if problem:  # hivemind's step() itself would wait for ever for a dead averager
+            return self._failed_record(problem, weight, tokens)
+        try:
+            with self._averager.tensors_within(cfg.allreduce_timeout_s + AVERAGER_GRACE_S) as bufs:
+                for b, t in zip(bufs, tensors):
+                    b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
+        except TimeoutError as exc:
+            return self._failed_record(str(exc), weight, tokens)
         norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
         gather = make_gather(
             fingerprint=self.fingerprint, schema=self._schema, weight=weight, cap=cap, norm=norm,
@@ -245,6 +251,17 @@ class GradientSwarm:
             self._log.append(record)
         return record
 
+    def _failed_record(self, error: str, weight: float, tokens: int) -> RoundRecord:
+        """The record of a round this peer could not even start (its averager is gone)."""
+        record = RoundRecord(round_id="", local_peer_id=self.peer_id, started_at=time.time(), duration_s=0.0,
+                             num_elements=sum(b.numel() for b in self._buffers), model_fingerprint=self.fingerprint,
+                             compression=self.config.compression, mode=self.mode, tokens=int(tokens), error=error)
+        record.group = [self.peer_id]
+        # Nothing is said of the expected peers: this peer could not look (its own fault, not theirs).
+        record.peers = [PeerResult(self.peer_id, Outcome.FAIL, float(weight), 0.0, error)]
+        self.last_record = record
+        return record
+
     def _fill(self, record: RoundRecord, rep: dict, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the averager's report into ``record``, and the average into ``tensors``."""
         record.round_id = rep["round_id"]
@@ -259,7 +276,7 @@ class GradientSwarm:
         if rep.get("out_of_step"):
             record.error = rep["out_of_step"]  # nothing of this group is ours to apply
             return
-        with self._averager.get_tensors() as bufs:
+        with self._averager.tensors_within(self.config.allreduce_timeout_s + AVERAGER_GRACE_S) as bufs:
             for b, t in zip(bufs, tensors):
                 t.copy_(b.to(device=t.device, dtype=t.dtype))
 

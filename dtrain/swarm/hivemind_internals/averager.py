@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -107,6 +108,19 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
     def current_state(self) -> Optional[tuple[Any, Sequence[torch.Tensor]]]:
         """``(metadata, tensors)`` for peers catching up; None: hivemind's own (the averaged tensors)."""
         return None
+
+    # -- the caller's side -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tensors_within(self, timeout_s: float):
+        """``get_tensors()``, but raise TimeoutError instead of waiting for ever for the lock: an
+        averager process killed in the middle of a round never releases it."""
+        if not self.lock_averaged_tensors.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the averaged tensors stayed locked for {timeout_s:g} s (averager process "
+                               f"{'running' if self.is_alive() else 'not running'})")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
 
     # -- helpers for average_with_group ----------------------------------------------------
     def locked_tensors(self):
