@@ -118,6 +118,14 @@ def test_proc_stat_reads_this_process():
     assert soak.proc_stat(2 ** 30) is None  # beyond pid_max: never a process
 
 
+def _session_leader(script: str) -> tuple[subprocess.Popen, int]:
+    """Run ``script`` as a session leader (as the sandbox starts neurons); returns it and the pid
+    it prints first."""
+    leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    return leader, int(leader.stdout.readline())
+
+
 def test_tree_walk_finds_a_real_child_and_grandchild_and_their_resources():
     # A child in its own session (as the sandbox starts neurons) with a grandchild that holds a
     # pipe open, and a second python process that re-parents nothing.
@@ -126,10 +134,8 @@ def test_tree_walk_finds_a_real_child_and_grandchild_and_their_resources():
               "p = subprocess.Popen(['sleep', '30'])\n"
               "print(p.pid, flush=True)\n"
               "time.sleep(30)\n")
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    child, grandchild = _session_leader(script)
     try:
-        grandchild = int(child.stdout.readline())
         # the current process's tree holds the child and the grandchild
         mine = {st["pid"] for st in soak.process_tree(os.getpid())}
         assert {os.getpid(), child.pid, grandchild} <= mine
@@ -166,10 +172,8 @@ def test_session_members_count_even_when_reparented():
               "p.wait()\n"
               "print(pid, flush=True)\n"
               "time.sleep(30)\n")
-    leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    leader, orphan = _session_leader(script)
     try:
-        orphan = int(leader.stdout.readline())
         st = soak.proc_stat(orphan)
         assert st["session"] == leader.pid and st["ppid"] != leader.pid
         assert orphan in {s["pid"] for s in soak.process_tree(leader.pid)}

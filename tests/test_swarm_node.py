@@ -126,22 +126,19 @@ def test_a_frozen_dht_process_is_reported_within_the_call_timeout(tmp_path):
     import os
     import signal
 
-    from dtrain.swarm.node import SwarmUnavailable
+    from dtrain.swarm.node import SwarmUnavailable, _count_peers
 
     with SwarmNode(SwarmNodeConfig(data_dir=str(tmp_path / "n"), host_maddrs=LOOP)) as node:
         os.kill(node.dht.pid, signal.SIGSTOP)
         try:
             with pytest.raises(SwarmUnavailable, match="did not answer within 2 s"):
-                node.call(_count_peers_for_test, timeout_s=2)
+                node.call(_count_peers, timeout_s=2)
             assert "did not answer within 1 s" in node.problem(timeout_s=1)
             assert node.alive()  # alive but silent: the neuron restarts it only if it stays so
         finally:
             os.kill(node.dht.pid, signal.SIGCONT)
         assert node.problem() is None  # it answers again once thawed
 
-
-async def _count_peers_for_test(_dht, node) -> int:
-    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 def test_a_killed_averager_process_is_reported_and_a_round_does_not_wait_for_it(tmp_path):

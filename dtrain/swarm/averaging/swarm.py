@@ -223,21 +223,9 @@ class GradientSwarm:
                      f"{step_timeout + cfg.allreduce_timeout_s + AVERAGER_GRACE_S:g} s")
         except Exception as e:  # hivemind surfaces matchmaking failures as various exception types
             error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
-        record = RoundRecord(
-            round_id="",
-            local_peer_id=self.peer_id,
-            started_at=started,
-            duration_s=time.monotonic() - t0,
-            num_elements=sum(b.numel() for b in self._buffers),
-            model_fingerprint=self.fingerprint,
-            compression=cfg.compression,
-            mode=self.mode,
-            tokens=int(tokens),
-        )
+        record = self._new_record(started, time.monotonic() - t0, tokens)
         if error or not isinstance(result, dict) or "report" not in result:
-            record.error = error or "averager returned no report"
-            record.group = [self.peer_id]
-            record.peers = [PeerResult(self.peer_id, Outcome.FAIL, float(weight), 0.0, record.error)]
+            self._mark_failed(record, error or "averager returned no report", weight)
         else:
             self._fill(record, result["report"], tensors)
         missing = [p for p in expected_peers if p not in record.group]
@@ -246,21 +234,30 @@ class GradientSwarm:
             for p in missing:
                 outcome = Outcome.NON_PARTICIPATING if alive.get(p) else Outcome.NOT_ALIVE
                 record.peers.append(PeerResult(p, outcome, reason="did not join the group"))
+        return self._keep(record)
+
+    def _new_record(self, started: float, duration_s: float, tokens: int) -> RoundRecord:
+        return RoundRecord(round_id="", local_peer_id=self.peer_id, started_at=started, duration_s=duration_s,
+                           num_elements=sum(b.numel() for b in self._buffers), model_fingerprint=self.fingerprint,
+                           compression=self.config.compression, mode=self.mode, tokens=int(tokens))
+
+    def _mark_failed(self, record: RoundRecord, error: str, weight: float) -> None:
+        record.error = error
+        record.group = [self.peer_id]
+        record.peers = [PeerResult(self.peer_id, Outcome.FAIL, float(weight), 0.0, error)]
+
+    def _keep(self, record: RoundRecord) -> RoundRecord:
         self.last_record = record
         if self._log is not None:
             self._log.append(record)
         return record
 
     def _failed_record(self, error: str, weight: float, tokens: int) -> RoundRecord:
-        """The record of a round this peer could not even start (its averager is gone)."""
-        record = RoundRecord(round_id="", local_peer_id=self.peer_id, started_at=time.time(), duration_s=0.0,
-                             num_elements=sum(b.numel() for b in self._buffers), model_fingerprint=self.fingerprint,
-                             compression=self.config.compression, mode=self.mode, tokens=int(tokens), error=error)
-        record.group = [self.peer_id]
-        # Nothing is said of the expected peers: this peer could not look (its own fault, not theirs).
-        record.peers = [PeerResult(self.peer_id, Outcome.FAIL, float(weight), 0.0, error)]
-        self.last_record = record
-        return record
+        """The record of a round this peer could not even start (its averager is gone). Nothing
+        is said of the expected peers: this peer could not look (its own fault, not theirs)."""
+        record = self._new_record(time.time(), 0.0, tokens)
+        self._mark_failed(record, error, weight)
+        return self._keep(record)
 
     def _fill(self, record: RoundRecord, rep: dict, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the averager's report into ``record``, and the average into ``tensors``."""
