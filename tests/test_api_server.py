@@ -497,3 +497,60 @@ def test_sandbox_registered_validator_is_the_allowed_caller(wallets, tmp_path):
         assert info.value.status == 403
     assert len(rec.calls) == 1
     chain.close()
+
+
+def _api_pool_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(("dtrain-api-handler", "dtrain-api-light")))
+
+
+def test_pool_threads_are_all_running_from_the_start_and_gone_after_stop(wallets):
+    """The thread count must not climb in steps as requests overlap (a weeks-long neuron
+    could not tell that from a leak), and a stopped server leaves no thread behind."""
+    before = _api_pool_threads()
+    recorder = Recorder()
+    server = MinerApiServer(recorder.handlers(), self_hotkey=wallets["miner"].hotkey.ss58_address,
+                            is_allowed=lambda hotkey: True, handler_workers=3).start()
+    try:
+        started = _api_pool_threads()
+        assert len(started) == len(before) + 3 + 2, started
+        recorder.train_gate = threading.Event()  # hold every train call, so requests overlap
+        body = body_of(TRAIN)
+
+        def call():
+            headers = signed(wallets["validator"], wallets["miner"].hotkey.ss58_address, "POST", "/v1/train", body)
+            send(server, "POST", "/v1/train", body, headers)
+
+        callers = [threading.Thread(target=call) for _ in range(6)]
+        for c in callers:
+            c.start()
+        deadline = time.monotonic() + 30
+        while len(recorder.calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(recorder.calls) == 3  # every handler thread busy, the rest queued
+        assert _api_pool_threads() == started
+        recorder.train_gate.set()
+        for c in callers:
+            c.join(60)
+        assert len(recorder.calls) == 6
+        assert _api_pool_threads() == started
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while _api_pool_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _api_pool_threads() == before
+
+
+def test_a_server_that_cannot_bind_leaves_no_pool_thread(wallets):
+    before = _api_pool_threads()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = MinerApiServer(Recorder().handlers(), self_hotkey=wallets["miner"].hotkey.ss58_address,
+                                is_allowed=lambda hotkey: True, port=taken.getsockname()[1])
+        with pytest.raises(OSError):
+            server.start()
+    deadline = time.monotonic() + 10
+    while _api_pool_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _api_pool_threads() == before

@@ -38,6 +38,7 @@ from dtrain.api.messages import (
     StatusResponse, TrainRequest, TrainResponse,
 )
 from dtrain.api.openapi import openapi_document
+from dtrain.pools import full_thread_pool
 
 log = logging.getLogger("dtrain.api")
 
@@ -150,12 +151,9 @@ class MinerApiServer:
             "dtrain_api_state_slice_bytes", "Bytes served by /v1/state-slice",
             registry=self.registry,
         )
-        self._heavy = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, handler_workers), thread_name_prefix="dtrain-api-handler"
-        )
-        self._light = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="dtrain-api-light"
-        )
+        self.handler_workers = max(1, int(handler_workers))
+        self._heavy: Optional[concurrent.futures.ThreadPoolExecutor] = None  # started with the server
+        self._light: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._openapi = json.dumps(
             openapi_document(max_body_bytes=self.max_body_bytes, max_slice_bytes=limits.max_slice_bytes)
         )
@@ -332,10 +330,17 @@ class MinerApiServer:
 
     async def start_async(self) -> None:
         """Start serving on the running loop; ``self.port`` is the bound port after."""
+        # Full from the start, so the thread count stays flat over weeks (dtrain/pools.py).
+        self._heavy = full_thread_pool(self.handler_workers, "dtrain-api-handler")
+        self._light = full_thread_pool(2, "dtrain-api-light")
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
+        try:
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+            await site.start()
+        except BaseException:  # e.g. the port is taken: leave no pool threads behind
+            await self.stop_async()
+            raise
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
@@ -345,8 +350,10 @@ class MinerApiServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        self._heavy.shutdown(wait=False, cancel_futures=True)
-        self._light.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._heavy, self._light):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._heavy = self._light = None
 
     def start(self, timeout: float = 30.0) -> "MinerApiServer":
         """Serve on a private thread; returns once listening (raises if bind fails)."""

@@ -63,6 +63,9 @@ class NeuronBase:
         self._swarm_watch = None  # a SwarmWatch once the swarm started (dtrain/neurons/swarm_health.py)
         self._swarm_note = ""  # the last self-restart, shown beside a healthy swarm line
         self._listen_on: list[str] | None = None  # the listen addresses a restarted node keeps
+        from dtrain.neurons.runtime import no_progress_monitor_thread
+
+        no_progress_monitor_thread()  # a flat thread count over weeks (docs/operators.md)
 
     # Set by the subclasses' run(): chain, dir, bench, trainer, node, swarm.
 

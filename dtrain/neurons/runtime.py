@@ -20,6 +20,19 @@ log = logging.getLogger("dtrain.neuron")
 SHIPPED_TOKENIZER = "shipped"
 
 
+def no_progress_monitor_thread() -> None:
+    """Stop tqdm from starting its monitor thread in this process.
+
+    The Hub and datasets clients draw tqdm bars (uploads, downloads, file loads); each bar
+    class starts a monitor thread on its first bar and another whenever the last one died, so
+    a neuron's thread count wandered over the weeks. A neuron has no terminal for those bars
+    to redraw, so the monitor has nothing to do.
+    """
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0
+
+
 class NeuronError(Exception):
     """A problem that stops a neuron, with a message that says what to do."""
 

@@ -100,7 +100,11 @@ class GradientSwarm:
         # Only the last round is kept in memory (a neuron runs for weeks); the round log on
         # disk (config.log_path) keeps them all.
         self.last_record: Optional[RoundRecord] = None
+        # The running round's hivemind StepControl. It is dropped when the round ends: it holds
+        # a descriptor of the averager process's result pipe, which would otherwise stay open
+        # until the next round (one more fd for the soak to count, for no use).
         self._step = None
+        self._last_stage: Optional[str] = None
         self._layout = None
         cfg = self.config
         self._averager = self._new_averager(
@@ -139,7 +143,7 @@ class GradientSwarm:
     def stage(self) -> Optional[str]:
         """Stage of the current/last round: LOOKING_FOR_GROUP, RUNNING_ALLREDUCE, FINISHED... (None before any)."""
         step = self._step
-        return None if step is None else step.stage.name
+        return self._last_stage if step is None else step.stage.name
 
     def run_round(
         self,
@@ -223,6 +227,8 @@ class GradientSwarm:
                      f"{step_timeout + cfg.allreduce_timeout_s + AVERAGER_GRACE_S:g} s")
         except Exception as e:  # hivemind surfaces matchmaking failures as various exception types
             error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
+        finally:
+            self._let_go_of_step()
         record = self._new_record(started, time.monotonic() - t0, tokens)
         if error or not isinstance(result, dict) or "report" not in result:
             self._mark_failed(record, error or "averager returned no report", weight)
@@ -235,6 +241,12 @@ class GradientSwarm:
                 outcome = Outcome.NON_PARTICIPATING if alive.get(p) else Outcome.NOT_ALIVE
                 record.peers.append(PeerResult(p, outcome, reason="did not join the group"))
         return self._keep(record)
+
+    def _let_go_of_step(self) -> None:
+        step = self._step
+        if step is not None:
+            self._last_stage = step.stage.name  # set before the step goes: `stage` reads both
+            self._step = None
 
     def _new_record(self, started: float, duration_s: float, tokens: int) -> RoundRecord:
         return RoundRecord(round_id="", local_peer_id=self.peer_id, started_at=started, duration_s=duration_s,

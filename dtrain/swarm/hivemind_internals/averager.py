@@ -20,6 +20,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
+from dtrain.pools import default_executor_size, full_thread_pool
 from dtrain.swarm import startup
 from dtrain.swarm.hivemind_internals.processes import ServesCommandPipe, undeclare_in_background
 
@@ -38,6 +39,26 @@ AVERAGER_WIRE_NAME = "_DtrainAverager"
 ROLE_OF_MODE = {AveragingMode.NODE.value: "node", AveragingMode.CLIENT.value: "client",
                 AveragingMode.AUX.value: "aux"}
 _MODE_OF_ROLE = {role: AveragingMode(mode) for mode, role in ROLE_OF_MODE.items()}
+
+
+def _loop_with_a_full_default_executor() -> None:
+    """In the averager's own process: the event loop hivemind makes (switch_to_uvloop, in
+    _run_internal) gets a default executor whose threads all run from the start.
+
+    Serialisation, CenteredClip and the claim checks run on that executor. asyncio's own starts
+    its threads lazily, one more at each new peak of concurrent calls, so the averager's thread
+    count stepped up now and then for weeks, which a soak cannot tell from a leak.
+    """
+    import hivemind.averaging.averager as hivemind_averager
+
+    make_loop = hivemind_averager.switch_to_uvloop
+
+    def switch_to_uvloop():
+        loop = make_loop()
+        loop.set_default_executor(full_thread_pool(default_executor_size(), "averager"))
+        return loop
+
+    hivemind_averager.switch_to_uvloop = switch_to_uvloop  # this process only: it is the averager's
 
 
 @dataclass
@@ -171,6 +192,7 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
     def run(self):
         self.on_process_start()
         self._use_command_pipe()  # see dtrain/swarm/command_pipe.py
+        _loop_with_a_full_default_executor()
         super().run()
 
     async def _step(self, *, step, future_for_init):
