@@ -249,9 +249,10 @@ def worker(args) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     numel = int(args.size_mb * 2**20 / 4)
+    data_dir = tempfile.mkdtemp(prefix="dtrain-netns-")  # the node's identity; removed at the end
     node = SwarmNode(
         SwarmNodeConfig(
-            data_dir=tempfile.mkdtemp(prefix="dtrain-netns-"),
+            data_dir=data_dir,
             host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
             initial_peers=[args.initial_peer] if args.initial_peer else [],
             extra_dht_kwargs=dict(nat_port_map=False),  # nothing to map inside a namespace
@@ -382,6 +383,7 @@ def worker(args) -> int:
         return 0
     finally:
         node.shutdown()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------
