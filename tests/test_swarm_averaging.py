@@ -248,7 +248,7 @@ def test_a_sender_whose_writer_fails_aborts_its_streams_and_alone_is_blamed(node
     # The third peer's writer raises after its first part to each reducer. hivemind's writer task
     # ended quietly: the reducers waited their 60 s sender timeout for its next part and it its
     # reducer timeout for their replies. Its streams must end at once instead, with the error
-    # named in its own record, and the honest peers must finish without it.
+    # named in its own record, and the honest peers must finish without it, each SUCCESS.
     # 30,000 floats in parts of 4 KB: about ten parts to each reducer
     data = [[torch.full((30000,), 1.0)], [torch.full((30000,), 3.0)], [torch.full((30000,), 11.0)]]
     before = [_flat(d).clone() for d in data]
@@ -261,19 +261,24 @@ def test_a_sender_whose_writer_fails_aborts_its_streams_and_alone_is_blamed(node
         _shutdown(swarms)
     broken = swarms[2].peer_id
     honest = [s.peer_id for s in swarms[:2]]
-    # its own record: it failed to send, and the reducers it could not reach are not blamed
+    # its own record: it failed to send, and the reducers it could not reach are not blamed;
+    # its round ends at once instead of waiting out its reducer timeout for replies
     mine = recs[2]
+    assert mine.duration_s < 60, mine.duration_s
     assert mine.outcome_of(broken) == Outcome.FAIL, mine.peers
     assert "could not send its parts" in next(p.reason for p in mine.peers if p.peer_id == broken)
     assert "injected" in next(p.reason for p in mine.peers if p.peer_id == broken)
     for peer in honest:
         assert mine.outcome_of(peer) == Outcome.SUCCESS, mine.peers
-    # the honest peers saw it stop sending (banned), not a timeout of 60 s; each other SUCCESS
+    # the honest peers banned it, and each other SUCCESS. How soon they finish is not
+    # asserted: a reducer hears the abort at once when its end of the stream was open, but
+    # when the stream was reset before p2pd handed it over (2 rounds in 40 under load), that
+    # reducer waits its sender timeout for a sender that never started, as for any peer lost
+    # at the start of a round (docs/swarm.md, failure semantics)
     for r in recs[:2]:
         assert not r.error, r.error
         assert r.outcome_of(broken) == Outcome.FAIL
         assert all(r.outcome_of(p) == Outcome.SUCCESS for p in honest), r.peers
-        assert r.duration_s < 60, r.duration_s  # the sender timeout it would otherwise have waited out
     check_round_contract(before[:2], [_flat(d) for d in data[:2]], recs[:2])
 
 

@@ -178,3 +178,36 @@ def test_a_finished_reducer_refuses_later_parts():
 
     with pytest.raises(ReducerFinished):
         run(go())
+
+
+@pytest.mark.parametrize("robust", [False, True], ids=["mean", "centered-clip"])
+def test_a_sender_cancelled_while_it_waits_leaves_the_part_to_the_others(robust):
+    """A sender's stream handler is cancelled when its stream closes (a peer that crashed, hung
+    up or was killed) while it waits for the other senders of a part. That must end only its
+    own wait: the part still completes for everyone else, and the reducer moves on. Awaiting
+    the part's shared future directly cancelled the future itself: every other sender of the
+    part got CancelledError (their streams failed, and the runner banned honest peers), the
+    next sender's part could not be set, and the reducer never finished."""
+    async def go():
+        r = CheckedReducer(SHAPES, 3, sender_weights=[1.0, 1.0, 1.0], robust=robust)
+        first = asyncio.create_task(r.accumulate_part(0, 0, full(1)))
+        gone = asyncio.create_task(r.accumulate_part(1, 0, full(3)))
+        await asyncio.sleep(0.01)
+        gone.cancel()  # its stream closed; the runner then bans it for the parts it did not send
+        await asyncio.gather(gone, return_exceptions=True)
+        r.on_sender_failed(1)
+        last = await r.accumulate_part(2, 0, full(5))
+        rest = await _all(r, [full(7), full(100), full(9)], part_index=1)
+        return await first, last, gone.cancelled(), rest, r.finished.is_set()
+
+    first, last, cancelled, rest, finished = run(go())
+    assert cancelled
+    want = centered_clip([full(1), full(3), full(5)], [1.0, 1.0, 1.0]) if robust else full(3)
+    torch.testing.assert_close(first, want)
+    torch.testing.assert_close(last, want)
+    # part 1: the cancelled sender is out (banned after its part 0); the others' mean
+    assert isinstance(rest[1], SenderBanned)
+    want_next = centered_clip([full(7), full(9)], [1.0, 1.0]) if robust else full(8)
+    torch.testing.assert_close(rest[0], want_next)
+    torch.testing.assert_close(rest[2], want_next)
+    assert finished

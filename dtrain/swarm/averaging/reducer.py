@@ -148,11 +148,17 @@ class CheckedReducer:
         self.current_part_accumulated_from += 1
         self.denominator += w
         self.check_current_part_finished()
-        result = await current_part_future
+        # Every sender of this part waits on the same future. Shielded: a sender whose stream
+        # handler is cancelled (its peer hung up, crashed or was killed) must end only its own
+        # wait. Awaited bare, the cancellation cancelled the shared future: every other sender
+        # of the part failed with it (the runner banned honest peers, "banned as sender"), the
+        # last sender's part could not be set, and this share never finished.
+        result = await asyncio.shield(current_part_future)
         if isinstance(result, asyncio.Future):
             # robust aggregation runs in a worker thread (check_current_part_finished): the part
-            # index has moved on already, and this is the combination still being computed
-            result = await result
+            # index has moved on already, and this is the combination still being computed,
+            # shared by the senders in the same way
+            result = await asyncio.shield(result)
         return result
 
     def on_sender_failed(self, sender_index: int) -> None:
