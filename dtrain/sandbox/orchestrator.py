@@ -219,6 +219,15 @@ class Sandbox:
             chain.close()
         return False
 
+    def _not_up(self, name: str, log: Path) -> SandboxError:
+        """Why the sandbox could not start: the neuron that exited (any of them stops the
+        wait, not only the one waited for), else the one that did not commit in time."""
+        exited = next((c for c in self.children if c.process.poll() is not None), None)
+        if exited is not None:
+            return SandboxError(f"{exited.member.name} exited (code {exited.process.returncode}) before the "
+                                f"sandbox was up: {_last_line(exited.log)!r}; see {exited.log}")
+        return SandboxError(f"{name} did not come up; see {log}")
+
     def start(self) -> None:
         miners = [m for m in self.members if m.role == "miner"]
         validators = [m for m in self.members if m.role == "validator"]
@@ -227,7 +236,7 @@ class Sandbox:
         first = self._spawn(miners[0], [])
         self.on_event(f"started {miners[0].name} (uid {miners[0].uid}); waiting for its commitment")
         if not self._wait_for_commitment(miners[0].hotkey, 240):
-            raise SandboxError(f"{miners[0].name} did not come up; see {first.log}")
+            raise self._not_up(miners[0].name, first.log)
         for member in miners[1:]:
             self._spawn(member, [])
         # They start together and share the CPU: on a 2-core machine eight neurons took over
@@ -237,7 +246,7 @@ class Sandbox:
         deadline = time.monotonic() + 240 + 60 * len(miners[1:])
         for member in miners[1:]:
             if not self._wait_for_commitment(member.hotkey, max(1.0, deadline - time.monotonic())):
-                raise SandboxError(f"{member.name} did not come up; see {layout.neuron_dir(self.root, member.name)}/log.txt")
+                raise self._not_up(member.name, layout.neuron_dir(self.root, member.name) / "log.txt")
         self.on_event(f"all {len(miners)} miners committed; starting "
                       + ("the validator" if len(validators) == 1 else f"{len(validators)} validators"))
         for member in validators:
