@@ -410,10 +410,14 @@ def _settled(read, samples=6, every_s=0.2):
 
 def test_rounds_leave_no_descriptor_or_thread_behind(nodes):
     """A neuron runs rounds for weeks. After the first two rounds (warm-up: what hivemind opens
-    once), neither the neuron's process nor its averager processes may hold more descriptors
-    or threads as rounds go on. One descriptor may move between the averagers (the last
-    round's leader holds a pipe to the neuron until the next round), so descriptors are
-    summed over the processes and the last rounds compared with the first."""
+    once), the neuron's process and its averager processes must not hold one more thread per
+    round, nor one more descriptor per round.
+
+    Descriptors are summed over the processes (the last round's leader averager holds a pipe to
+    the neuron until the next round, so one moves between them) and compared over ten rounds
+    with a slack of 2: hivemind's cross-process future pipes (one per process) are opened once,
+    at a round of their own choosing, and stay (benchmarks/soak.py saw that step once in 300
+    rounds). A leak of a descriptor a round shows as 10 here; slower leaks are the soak's job."""
     import gc
     import os
 
@@ -423,7 +427,7 @@ def test_rounds_leave_no_descriptor_or_thread_behind(nodes):
     pids = [os.getpid()] + [s._averager.pid for s in swarms]
     fds, threads = [], []
     try:
-        for i in range(8):
+        for i in range(12):
             recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=10) for i in range(2)])
             assert all(not r.error for r in recs), [r.error for r in recs]
             gc.collect()
@@ -432,5 +436,5 @@ def test_rounds_leave_no_descriptor_or_thread_behind(nodes):
                 threads.append([_threads(p) for p in pids])
     finally:
         _shutdown(swarms)
-    assert max(fds[3:]) <= max(fds[:3]), fds
+    assert fds[-1] <= fds[0] + 2, fds
     assert all(t == threads[0] for t in threads), threads
