@@ -28,6 +28,9 @@ What is patched, at import (:func:`install_shims`, idempotent):
    ``-W error``) and slated for removal: the same LP is solved with HiGHS, with an equal
    split if the solver fails, so a round never dies in load balancing.
 3. dtrain's 8-bit codec (dtrain/swarm/codecs.py) is registered under ``BLOCKWISE_8BIT``.
+
+And (:func:`install_survivable_locks`, ``locks``): hivemind's three cross-process MPFuture
+locks become locks that a process killed while holding one does not leave locked for ever.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from dtrain.swarm.hivemind_internals.processes import (  # noqa: E402
     dial,
     undeclare_in_background,
 )
+from dtrain.swarm.hivemind_internals.locks import SurvivableLock, install_survivable_locks  # noqa: E402
 from dtrain.swarm.hivemind_internals.runner import ButterflyRunner, CountingStub  # noqa: E402
 from dtrain.swarm.hivemind_internals.shims import (  # noqa: E402
     BlockwiseAbsmax8BitCompression,
@@ -65,6 +69,7 @@ from dtrain.swarm.hivemind_internals.shims import (  # noqa: E402
 )
 
 install_shims()
+install_survivable_locks()
 
 __all__ = [
     "AVERAGER_WIRE_NAME",
@@ -77,12 +82,14 @@ __all__ = [
     "DHTProcess",
     "Group",
     "MatchmakingException",
+    "SurvivableLock",
     "UnsupportedHivemind",
     "compression",
     "daemon_pid",
     "deserialize_part",
     "dial",
     "install_shims",
+    "install_survivable_locks",
     "load_balance",
     "optimize_parts_highs",
     "serialize_part",
