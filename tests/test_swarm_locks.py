@@ -75,3 +75,11 @@ def test_hivemind_goes_on_after_a_process_died_holding_its_lock(name):
     assert other.result(timeout=30) == 11
     sender.join(10)
     child.join(5)
+
+
+def test_process_gone():
+    assert not process_gone(os.getpid())
+    child = fork.Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join(10)  # reaped: the pid no longer exists
+    assert process_gone(child.pid)

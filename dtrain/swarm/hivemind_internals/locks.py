@@ -29,20 +29,22 @@ HOLDER_CHECK_S = 1.0
 
 def process_gone(pid: int) -> bool:
     """Whether ``pid`` is no longer a running process (exited, or a zombie not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
-        return state in (b"Z", b"X")
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+    if os.path.exists("/proc/self/stat"):  # Linux: a zombie still exists for kill(pid, 0)
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+            return state in (b"Z", b"X")
+        except FileNotFoundError:
             return True
-        except PermissionError:
-            return False
+        except (OSError, IndexError):
+            pass
+    try:  # elsewhere (or an unreadable stat): ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
         return False
+    return False
 
 
 class SurvivableLock:
