@@ -19,9 +19,12 @@ a waiter at once. What is left: a process killed between taking the lock and wri
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import time
+
+logger = logging.getLogger(__name__)
 
 # How often a blocked waiter looks whether the holder still lives.
 HOLDER_CHECK_S = 1.0
@@ -81,6 +84,7 @@ class SurvivableLock:
                 self._holder.value = 0
                 self.takeovers.value += 1
                 self._lock.release()  # the dead holder's; the next acquire takes it
+                logger.warning("swarm: process %d died holding a hivemind lock; taking it over", holder)
         finally:
             self._guard.release()
 
