@@ -28,7 +28,17 @@ budget (< 1 passes). File descriptors and threads must be flat: the floor (minim
 last window of rounds (a tenth of them, at least 3) must not be above the floor of the first
 post-warm-up window (``--fd-slack``/``--thread-slack`` to allow some); a leak lifts every
 later sample, a socket or handler thread open at the moment of one sample does not. The
-maxima's rise is reported beside it. The sample of the last round is left out (the validator
+maxima's rise is reported beside it.
+
+Threads are judged that way for the Python processes. p2pd is a Go program, and Go's runtime
+never ends an OS thread it has made (golang/go#14592): a goroutine that blocks in a system
+call long enough (a write delayed by a busy host) gets its processor handed to a new thread,
+and that thread is kept, idle, for good. p2pd's count is therefore the high-water mark of
+threads needed at once and can step up late in any run; it is not a leak while it stays
+under what can be needed at once: one thread per processor (GOMAXPROCS, the CPU count by
+default), one per descriptor a system call can block on (p2pd's fds, which are judged flat),
+and the runtime's own two (sysmon and the template thread). p2pd's maximum must stay under
+that bound; its rise is reported. The sample of the last round is left out (the validator
 is shutting down then). Exit status 0 within budget, 1 otherwise, 2 if the sandbox failed or
 was interrupted (every neuron is stopped either way, on Ctrl-C and SIGTERM too).
 
@@ -50,6 +60,7 @@ import time
 from pathlib import Path
 
 BUDGET_PCT_PER_ROUND = 0.05
+GO_RUNTIME_THREADS = 2  # sysmon and the template thread: Go threads that never run goroutines
 KINDS = ("neuron", "dht", "averager", "p2pd", "torch_shm", "forked", "other")
 METRICS = ("pss", "rss", "anon", "uss", "fds", "threads", "procs")
 MEMORY_METRICS = ("pss", "rss", "anon", "uss")
@@ -263,9 +274,19 @@ def series_growth(rounds: list[int], values: list[float], *, budget_pct: float =
             "floor_rise": min(values[-w:]) - min(values[:w])}
 
 
+def _python_threads(tree: dict) -> int:
+    """A tree's threads outside p2pd (the Go daemon is judged against a bound instead)."""
+    return tree["threads"] - sum(k.get("threads", 0) for kind, k in tree["kinds"].items() if kind == "p2pd")
+
+
+def go_thread_bound(cpus: int, fds: int) -> int:
+    """The most OS threads a Go program with ``fds`` descriptors can ever need at once (module doc)."""
+    return cpus + fds + GO_RUNTIME_THREADS
+
+
 def analyse(samples: list[dict], warmup: int, *, budget_pct: float = BUDGET_PCT_PER_ROUND,
             fd_slack: int = 0, thread_slack: int = 0, metric: str = DEFAULT_METRIC,
-            until: int | None = None) -> dict:
+            until: int | None = None, cpus: int | None = None) -> dict:
     """Per tree (and per kind within it): growth after warm-up, and the verdict.
 
     ``samples`` are the per-round samples: {"round": r, "trees": {name: tree_sample or None}}.
@@ -275,8 +296,11 @@ def analyse(samples: list[dict], warmup: int, *, budget_pct: float = BUDGET_PCT_
     post-warm-up window by more than the slack. The floor, not the maximum: a leaked fd or thread
     stays and lifts every later sample, while a sample taken as a request or a p2p stream is open
     shows a transient socket or handler thread that the next sample does not; the maxima's rise
-    is reported beside it. Samples from round ``until`` on are left
-    out (the sandbox's validator is shutting down once its last round is saved)."""
+    is reported beside it. Threads: the Python processes' are judged so; p2pd's maximum must stay
+    under go_thread_bound for ``cpus`` (default: this machine's) and p2pd's largest fd count.
+    Samples from round ``until`` on are left out (the sandbox's validator is shutting down once
+    its last round is saved)."""
+    cpus = cpus or os.cpu_count() or 1
     after = [s for s in samples if s["round"] > warmup and (until is None or s["round"] < until)]
     names = sorted({name for s in samples for name in s["trees"]})
     trees: dict[str, dict] = {}
@@ -310,9 +334,17 @@ def analyse(samples: list[dict], warmup: int, *, budget_pct: float = BUDGET_PCT_
             pct = 100.0 * entry[metric]["slope_per_round"] / base if base else 0.0
             entry["budget"] = {"metric": metric, "slope_per_round": entry[metric]["slope_per_round"],
                                "base": base, "pct_per_round": pct, "ratio": pct / budget_pct}
+        if rows:
+            entry["python_threads"] = series_growth(rounds, [_python_threads(t) for _, t in rows])
+        go = entry["kinds"].get("p2pd")
+        if go:
+            entry["go_threads"] = {"min": go["threads"]["min"], "max": go["threads"]["max"],
+                                   "rise": go["threads"]["max"] - go["threads"]["start"],
+                                   "bound": go_thread_bound(cpus, int(go["fds"]["max"])), "cpus": cpus}
         mem_ok = bool(rows) and metric in entry and entry["budget"]["ratio"] < 1.0
         fds_ok = bool(rows) and entry["fds"]["floor_rise"] <= fd_slack
-        thr_ok = bool(rows) and entry["threads"]["floor_rise"] <= thread_slack
+        thr_ok = (bool(rows) and entry["python_threads"]["floor_rise"] <= thread_slack
+                  and (go is None or entry["go_threads"]["max"] <= entry["go_threads"]["bound"]))
         entry["verdict"] = {"memory": mem_ok, "fds": fds_ok, "threads": thr_ok, "ok": mem_ok and fds_ok and thr_ok}
         ok = ok and entry["verdict"]["ok"]
         trees[name] = entry
@@ -441,14 +473,14 @@ def render(result: dict) -> str:
         if "budget" not in t:
             out.append(f"{name:<10} (no samples after warm-up)")
             continue
-        b, f, th = t["budget"], t["fds"], t["threads"]
+        b, f, th, py = t["budget"], t["fds"], t["threads"], t["python_threads"]
         v = t["verdict"]
         verdict = "ok" if v["ok"] else "FAIL(" + ",".join(k for k in ("memory", "fds", "threads") if not v[k]) + ")"
         out.append(f"{name:<10} {_fmt_bytes(b['base']):>10} {_fmt_bytes(b['slope_per_round']):>{max(12, len(label) + 12)}} "
                    f"{b['pct_per_round']:>8.4f}% {b['ratio']:>6.2f} "
                    + " ".join(f"{_fmt_bytes(t[x]['slope_per_round']) if x in t else '-':>11}" for x in others)
                    + f" {f['min']:>4.0f}-{f['max']:<4.0f} {f['floor_rise']:>3.0f}/{f['window_rise']:<3.0f} "
-                   f"{th['min']:>4.0f}-{th['max']:<4.0f} {th['floor_rise']:>3.0f}/{th['window_rise']:<3.0f} "
+                   f"{th['min']:>4.0f}-{th['max']:<4.0f} {py['floor_rise']:>3.0f}/{py['window_rise']:<3.0f} "
                    f"{t['procs']['max']:>5.0f}  {verdict}")
     out.append("")
     out.append(f"per kind ({label} start -> end, slope/round and % of the tree's starting Pss; Pss slope; "
@@ -474,7 +506,14 @@ def render(result: dict) -> str:
     out.append(f"baseline: budget {a['budget_pct_per_round']} % of the tree's starting Pss per round for the {label} slope; "
                f"worst ratio measured/budget = {worst:.2f}" if worst is not None else "no samples after warm-up")
     out.append(f"fds and threads (Δ = rise of the minimum / of the maximum from the first post-warm-up window "
-               f"to the last): the minimum's rise must be <= {a['fd_slack']} / {a['thread_slack']}")
+               f"to the last; Δthr counts the Python processes): the minimum's rise must be <= "
+               f"{a['fd_slack']} / {a['thread_slack']}")
+    for name, t in a["trees"].items():
+        go = t.get("go_threads")
+        if go:
+            out.append(f"  {name:<10} p2pd (Go) threads {go['min']:.0f}-{go['max']:.0f} (rose {go['rise']:.0f}), "
+                       f"bound {go['bound']} = {go['cpus']} CPUs + its {go['bound'] - go['cpus'] - GO_RUNTIME_THREADS} "
+                       f"fds + {GO_RUNTIME_THREADS}: Go keeps every thread it made (golang/go#14592)")
     if result.get("error"):
         out.append(f"sandbox error: {result['error']}")
     out.append("PASS" if result["ok"] else "FAIL")
@@ -486,6 +525,7 @@ def report_from_file(path: str, *, warmup: int | None, metric: str, fd_slack: in
     result = json.loads(Path(path).read_text())
     w = result["warmup"] if warmup is None else warmup
     result["analysis"] = analyse(result["samples"], w, metric=metric, fd_slack=fd_slack, thread_slack=thread_slack,
+                                 cpus=result.get("cpus"),
                                  until=result.get("rounds"))
     result["warmup"] = w
     complete = not result.get("error") and not result.get("interrupted") and result.get("validator_exit") == 0
@@ -525,12 +565,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
     samples, info, wall = run_soak(args, log)
-    analysis = analyse(samples, args.warmup, fd_slack=args.fd_slack, thread_slack=args.thread_slack,
+    cpus = len(os.sched_getaffinity(0))  # what Go's GOMAXPROCS defaults to for p2pd, started from here
+    analysis = analyse(samples, args.warmup, fd_slack=args.fd_slack, thread_slack=args.thread_slack, cpus=cpus,
                        metric=args.metric, until=args.rounds)
     complete = not info.get("error") and not info.get("interrupted") and info.get("validator_exit") == 0
     result = {"command": command, "miners": args.miners, "rounds": args.rounds, "warmup": args.warmup,
               "rounds_sampled": max((s["round"] for s in samples), default=0), "wall_s": round(wall, 1),
-              "memory_metric": args.metric, **info, "analysis": analysis,
+              "memory_metric": args.metric, "cpus": cpus, **info, "analysis": analysis,
               "ok": bool(analysis["ok"] and complete), "samples": samples}
     if args.samples_out:
         Path(args.samples_out).write_text(json.dumps(result))

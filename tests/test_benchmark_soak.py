@@ -91,6 +91,37 @@ def test_fds_and_threads_must_be_flat():
     assert slack["trees"]["miner1"]["verdict"]["fds"] is True
 
 
+def _with_p2pd(samples, p2pd_threads, p2pd_fds=17):
+    """Add a p2pd process to every sample's tree (its threads counted in the tree's, as sampled)."""
+    for s in samples:
+        tree = s["trees"]["miner1"]
+        n = p2pd_threads(s["round"])
+        tree["kinds"]["p2pd"] = {"pss": 1, "rss": 1, "anon": 1, "uss": 1, "fds": p2pd_fds, "threads": n, "procs": 1}
+        tree["threads"] += n
+    return samples
+
+
+def test_p2pd_threads_are_judged_against_gos_bound_and_python_threads_must_be_flat():
+    base = 400_000_000
+    # Go keeps every OS thread it made: p2pd's count steps up late, under the bound of what it can need
+    steps = soak.analyse(_with_p2pd(_samples(60, lambda r: base), lambda r: 8 + (r > 30) + (r > 50)),
+                         warmup=10, cpus=2)
+    tree = steps["trees"]["miner1"]
+    assert tree["verdict"]["threads"] is True and steps["ok"]
+    assert tree["go_threads"] == {"min": 8, "max": 10, "rise": 2, "bound": 2 + 17 + 2, "cpus": 2}
+    assert tree["python_threads"]["floor_rise"] == 0 and tree["threads"]["floor_rise"] == 2
+    # past the bound (more threads than processors, descriptors and the runtime's own): not a high-water mark
+    runaway = soak.analyse(_with_p2pd(_samples(60, lambda r: base), lambda r: 8 + r // 3), warmup=10, cpus=2)
+    assert runaway["trees"]["miner1"]["verdict"]["threads"] is False
+    # a Python process's thread that stays is a failure, whatever p2pd does
+    python_leak = soak.analyse(_with_p2pd(_samples(60, lambda r: base, threads=lambda r: 5 + (r > 40)), lambda r: 8),
+                               warmup=10, cpus=2)
+    assert python_leak["trees"]["miner1"]["verdict"]["threads"] is False
+    text = soak.render({"command": "c", "rounds_sampled": 60, "wall_s": 1.0, "samples": _samples(60, lambda r: base),
+                        "analysis": steps, "ok": True})
+    assert "p2pd (Go) threads 8-10 (rose 2), bound 21" in text
+
+
 def test_the_last_round_is_left_out_with_until():
     # the validator shutting down after its last round: its tree collapses in that sample
     samples = _samples(60, lambda r: 400_000_000 if r < 60 else 100_000_000, fds=lambda r: 10 if r < 60 else 3)

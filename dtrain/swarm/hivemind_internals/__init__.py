@@ -31,6 +31,8 @@ What is patched, at import (:func:`install_shims`, idempotent):
 
 And (:func:`install_survivable_locks`, ``locks``): hivemind's three cross-process MPFuture
 locks become locks that a process killed while holding one does not leave locked for ever.
+And (:func:`install_state_server`, ``averager``): the neuron's thread that serves this peer's
+state to peers catching up no longer holds the last state it served, nor its request's pipe.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ from dtrain.swarm.hivemind_internals.averager import (  # noqa: E402
     AveragerProcess,
     Group,
     MatchmakingException,
+    install_state_server,
+)
+from dtrain.swarm.hivemind_internals.locks import (  # noqa: E402
+    SurvivableLock,
+    install_survivable_locks,
 )
 from dtrain.swarm.hivemind_internals.processes import (  # noqa: E402
     DHTProcess,
@@ -55,7 +62,6 @@ from dtrain.swarm.hivemind_internals.processes import (  # noqa: E402
     dial,
     undeclare_in_background,
 )
-from dtrain.swarm.hivemind_internals.locks import SurvivableLock, install_survivable_locks  # noqa: E402
 from dtrain.swarm.hivemind_internals.runner import ButterflyRunner, CountingStub  # noqa: E402
 from dtrain.swarm.hivemind_internals.shims import (  # noqa: E402
     BlockwiseAbsmax8BitCompression,
@@ -70,6 +76,7 @@ from dtrain.swarm.hivemind_internals.shims import (  # noqa: E402
 
 install_shims()
 install_survivable_locks()
+install_state_server()
 
 __all__ = [
     "AVERAGER_WIRE_NAME",
@@ -89,6 +96,7 @@ __all__ = [
     "deserialize_part",
     "dial",
     "install_shims",
+    "install_state_server",
     "install_survivable_locks",
     "load_balance",
     "optimize_parts_highs",

@@ -22,7 +22,12 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from dtrain.pools import default_executor_size, full_thread_pool
 from dtrain.swarm import startup
-from dtrain.swarm.hivemind_internals.processes import ServesCommandPipe, undeclare_in_background
+from dtrain.swarm.hivemind_internals.processes import (
+    ServesCommandPipe,
+    collect_garbage_of_last_round,
+    heap_frozen_for_fork,
+    undeclare_in_background,
+)
 
 if TYPE_CHECKING:
     from dtrain.swarm.hivemind_internals.runner import ButterflyRunner
@@ -59,6 +64,59 @@ def _loop_with_a_full_default_executor() -> None:
         return loop
 
     hivemind_averager.switch_to_uvloop = switch_to_uvloop  # this process only: it is the averager's
+
+
+def _serve_state_requests(serializer, pipe, get_current_state_ref) -> None:
+    """The neuron's thread that answers the averager's requests for this peer's state (a peer
+    catching up downloads it): hivemind's protocol, without holding anything between requests.
+
+    hivemind's own loop keeps its last request's locals until the next one arrives: the state
+    it served (on a GPU, a host copy of every tensor: the model, and the optimizer with it) and
+    the request's future, which holds a duplicate of the averager's reply pipe. So the first
+    peer that caught up from a neuron added a descriptor and, on a GPU, a model's worth of host
+    memory that stayed for weeks. Here each request is answered in a call of its own, whose
+    locals end with it.
+    """
+    while True:
+        try:
+            trigger, future = pipe.recv()
+        except BaseException as exc:  # the pipe closed: the averager has shut down
+            logger.debug("swarm: state server finished: %r", exc)
+            return
+        if trigger == "_SHUTDOWN":
+            return
+        served = _answer_state_request(serializer, future, get_current_state_ref)
+        del future
+        if not served:
+            return
+
+
+def _answer_state_request(serializer, future, get_current_state_ref) -> bool:
+    """Set ``future`` to (metadata bytes, CPU tensors, tensor infos); False once the averager is gone."""
+    get_current_state = get_current_state_ref()
+    if get_current_state is None:
+        return False
+    try:
+        state = tuple(get_current_state())
+        del get_current_state
+        if not 0 < len(state) <= 3:
+            raise ValueError(f"get_current_state returned {len(state)} items, expected 1 to 3")
+        metadata, tensors, infos = state + (None,) * (3 - len(state))
+        # tensors go over as CPU tensors, so that the averager process never initialises CUDA
+        future.set_result((serializer.dumps(metadata),
+                           tuple(t.cpu().detach().requires_grad_(t.requires_grad) for t in tensors), infos))
+    except BaseException as exc:
+        future.set_exception(exc)
+        logger.warning("swarm: could not serve this peer's state: %r", exc)
+    return True
+
+
+def install_state_server() -> None:
+    """Make :func:`_serve_state_requests` the thread hivemind's averager starts in the neuron
+    (idempotent). hivemind looks the function up when an averager is created."""
+    import hivemind.averaging.averager as hivemind_averager
+
+    hivemind_averager._background_thread_fetch_current_state = _serve_state_requests
 
 
 @dataclass
@@ -196,6 +254,7 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
         super().run()
 
     async def _step(self, *, step, future_for_init):
+        collect_garbage_of_last_round()
         undeclare_in_background(self._matchmaking.group_key_manager)
         self._leave_out_lapsed_followers(self._matchmaking)
         return await super()._step(step=step, future_for_init=future_for_init)
@@ -233,7 +292,8 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
         if in_main:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            self.start()
+            with heap_frozen_for_fork():
+                self.start()
         finally:
             if in_main and previous is not None:
                 signal.signal(signal.SIGINT, previous)
