@@ -276,7 +276,7 @@ def series_growth(rounds: list[int], values: list[float], *, budget_pct: float =
 
 def _python_threads(tree: dict) -> int:
     """A tree's threads outside p2pd (the Go daemon is judged against a bound instead)."""
-    return tree["threads"] - sum(k.get("threads", 0) for kind, k in tree["kinds"].items() if kind == "p2pd")
+    return tree["threads"] - tree["kinds"].get("p2pd", {}).get("threads", 0)
 
 
 def go_thread_bound(cpus: int, fds: int) -> int:
