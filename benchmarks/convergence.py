@@ -17,9 +17,11 @@ benchmark's:
   are checked to be identical. The remaining steps average the same slices in-process (the
   plain weighted mean; thousands of real rounds would take most of an hour on a small machine).
 * ``diloco``: each miner's ``DiLoCo`` mode takes H inner AdamW steps on its slices, exactly
-  as ``dtrain mine`` does with ``allreduce.mode = "diloco"`` (fresh inner moments every epoch, the inner learning
-  rate ramped over ``allreduce.diloco_inner_warmup`` steps, a trajectory report and
-  snapshots), then one real round averages the pseudo-gradients (anchor - inner params) and
+  as ``dtrain mine`` does with ``allreduce.mode = "diloco"`` (the inner AdamW moments carried
+  from each epoch into the next as committed in its trajectory report, fresh in the first, with
+  the learning rate of fresh moments ramped over ``allreduce.diloco_inner_warmup`` steps once
+  the schedule's own warm-up is over; a trajectory report and snapshots), then one real round
+  averages the pseudo-gradients (anchor - inner params) and
   every miner takes the same outer Nesterov step (``allreduce.outer_lr``,
   ``allreduce.outer_momentum``). Every outer round is real.
 * ``diloco_8bit``: the same with ``allreduce.compression = "8bit"`` (dtrain's blockwise
@@ -62,9 +64,10 @@ from pathlib import Path
 
 import torch
 
-# Targets of issue #11 for the best DiLoCo set-up.
-TARGET_REDUCTION = 100.0
-TARGET_GAP = 0.03
+# Targets for the best DiLoCo set-up (issue #21: the production DiLoCo within 2 % at >= 300x
+# fewer bytes per token than per-step averaging; issue #11's were 3 % at >= 100x).
+TARGET_REDUCTION = 300.0
+TARGET_GAP = 0.02
 PER_STEP_GAP_OK = 0.02  # per-step averaging is the reference's math: only rounding may differ
 
 # Shortest shipped-corpus page is 1837 tokens: pages this size never repeat text.
@@ -558,7 +561,8 @@ def main(argv=None) -> int:
             lr=args.lr, inner_lr=args.inner_lr, warmup=args.warmup, schedule="linear warmup, cosine to 0.1x",
             optimizer="AdamW betas (0.9, 0.95) wd 0.1 clip 1.0", diloco_h=args.diloco_h, outer_lr=a.outer_lr,
             outer_momentum=a.outer_momentum, outer="SGD Nesterov", inner_warmup=a.diloco_inner_warmup,
-            inner_state="fresh AdamW moments every epoch (as dtrain mine)", snapshot_every=a.diloco_snapshot_every,
+            inner_state=("AdamW moments carried from epoch to epoch, as committed (as dtrain mine); fresh in "
+                         "the first epoch"), snapshot_every=a.diloco_snapshot_every,
             aggregation=a.aggregation, work_commitments=True, max_attempts=MAX_ATTEMPTS,
             seed=args.seed, batch_per_peer=args.batch, per_step_rounds=args.per_step_rounds,
         ),

@@ -164,11 +164,13 @@ class AllReduceConfig:
                    swarm=True)
     diloco_inner_steps: int = _f(500, "DiLoCo: local (inner) steps per round, H; a miner that has taken H waits "
                                  "for the round.", min=1, max=1_000_000, swarm=True)
-    diloco_inner_warmup: int = _f(50, "DiLoCo: inner steps over which each round's inner learning rate ramps up "
-                                  "from the fresh optimizer moments (0: no ramp; docs/swarm.md \"DiLoCo\").",
-                                  min=0, swarm=True)
+    diloco_inner_warmup: int = _f(50, "DiLoCo: inner steps over which the inner learning rate ramps up after "
+                                  "the optimizer moments were restarted (a resume or catch-up; not while the "
+                                  "schedule's own warm-up runs, nor from moments carried over; 0: no ramp; "
+                                  "docs/swarm.md \"DiLoCo\").", min=0, swarm=True)
     outer_lr: float = _f(0.7, "DiLoCo: learning rate of the outer Nesterov step.", min=0.0, swarm=True)
-    outer_momentum: float = _f(0.9, "DiLoCo: momentum of the outer Nesterov step.", min=0.0, max=1.0, swarm=True)
+    outer_momentum: float = _f(0.7, "DiLoCo: momentum of the outer Nesterov step (0.7: docs/training.md, "
+                               "\"What each mode costs\").", min=0.0, max=1.0, swarm=True)
     diloco_snapshot_every: int = _f(50, "DiLoCo: inner steps between the snapshots a miner keeps for validators' "
                                     "replays; bounds one audit's replay to this many steps.", min=1, swarm=True)
     target_batch_size: int = _f(512, "Global batch the progress display counts toward (rounds are started by "

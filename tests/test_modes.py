@@ -12,6 +12,7 @@ import torch
 from dtrain.config import Config
 from dtrain.modes import MODES, AuditRequest, DiLoCo, PerStep, UnknownMode, build_mode
 from dtrain.swarm.records import RoundRecord
+from dtrain.training import snapshots
 
 H = 3  # DiLoCo inner steps per epoch in these tests
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -55,6 +56,14 @@ def _train(bench, uid: int = 1, epoch: int = 0, limit: int = 50) -> list[int]:
         mode.train_page(bench.reader.read_pages([page]), page=page, counter=len(done), epoch=epoch)
         done.append(page)
     return done
+
+
+def _train_one(bench, uid: int = 1, epoch: int = 0) -> None:
+    """One more page (one inner step here) of the miner's own, whether or not its mode wants it."""
+    mode = bench.mode
+    counter = mode.trajectory.steps_done
+    page = _own_pages(bench, uid, epoch, counter + 1)[-1]
+    mode.train_page(bench.reader.read_pages([page]), page=page, counter=counter, epoch=epoch)
 
 
 def _record(ok: bool = True) -> RoundRecord:
@@ -192,11 +201,51 @@ def test_diloco_apply_average_takes_the_outer_step_then_the_inner_copy_restarts(
     # the first Nesterov step from zero momentum: anchor - lr * (1 + momentum) * average
     for p, a, g in zip(mode.trainer.params, anchor, c.tensors):
         torch.testing.assert_close(p.detach(), a - OUTER_LR * (1 + OUTER_MOMENTUM) * g, rtol=1e-5, atol=1e-6)
+    _, exp_avg, _ = snapshots.inner_state(mode.inner)
     mode.start_epoch(1)
     assert _equal(mode.inner.params, mode.trainer.params)
     assert mode.trajectory.epoch == 1 and mode.trajectory.steps_done == 0 and mode.samples == 0 and mode.wants_data
-    assert not mode.inner.optimizer.state  # fresh moments: a replay starts from the anchor alone
+    # the moments it committed at the end of epoch 0 (its carry) go on into epoch 1
+    assert mode.trajectory.t0 == H and _equal(snapshots.inner_state(mode.inner)[1], exp_avg)
     assert mode.snapshot(1, 0, 0, 8)
+
+
+def test_diloco_keeps_its_moments_only_for_the_epoch_after_the_one_it_committed(bench_of, tmp_path):
+    bench = bench_of("diloco")
+    mode = bench.mode
+    mode.open_store(tmp_path)
+
+    def epoch_then_contribute(epoch: int):
+        mode.start_epoch(epoch)
+        _train(bench, epoch=epoch)
+        return mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+
+    def fresh() -> bool:
+        return mode.trajectory.t0 == 0 and not mode.inner.optimizer.state
+
+    epoch_then_contribute(0)
+    mode.start_epoch(2)  # a catch-up past the next epoch: nothing committed leads here
+    assert fresh()
+    epoch_then_contribute(2)
+    _train(bench, epoch=2)  # nothing more to train at H steps; one more page would change the moments
+    mode.start_epoch(2)  # the same epoch again (a resume): the trajectory restarts
+    assert fresh()
+    # no contribution this epoch: nothing was committed, so nothing carries over
+    _train(bench, epoch=2)
+    mode.start_epoch(3)
+    assert fresh()
+    # committed, then one more inner step before the next epoch: not the committed state any more
+    mode.start_epoch(4)
+    for _ in range(H - 1):
+        _train_one(bench, epoch=4)
+    mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+    _train_one(bench, epoch=4)
+    mode.start_epoch(5)
+    assert fresh()
+    # the honest path: committed at the end of epoch 5, epoch 6 starts from those moments
+    report = epoch_then_contribute(5).report
+    mode.start_epoch(6)
+    assert mode.trajectory.t0 == report.carry.step == H
 
 
 def test_diloco_failed_round_changes_nothing(bench_of, tmp_path):
@@ -261,6 +310,61 @@ def test_diloco_audit_replays_an_honest_trajectory_and_catches_made_up_steps(ben
                          read_snapshot=_reader_of(miner.mode))
     verdict, = validator.mode.audit([moved], epoch=0, rng=random.Random(0))
     assert not verdict.passed and "did not start" in verdict.problem
+
+
+def test_diloco_audit_checks_an_epoch_that_starts_from_carried_moments(bench_of, tmp_path):
+    """Epoch 0 from fresh moments, epoch 1 from the moments committed at its end: the validator
+    that audited epoch 0 checks epoch 1's start against that commitment, and every stretch of
+    epoch 1 (the first from the carried moments, the last against the next carry) replays."""
+    miner, validator = bench_of("diloco"), bench_of("diloco")
+    miner.mode.open_store(tmp_path)
+    miner.mode.start_epoch(0)
+    _train(miner, uid=2, epoch=0)
+    c0 = miner.mode.contribution(miner.mode.samples, miner.mode.weight_cap)
+    read = _reader_of(miner.mode)
+    verdict, = validator.mode.audit([AuditRequest(uid=2, report=c0.report, read_snapshot=read)], epoch=0,
+                                    rng=random.Random(0))
+    assert verdict.passed, verdict.problem
+    # the round: both take the same outer step with the (single miner's) average
+    for bench in (miner, validator):
+        assert bench.mode.apply_average(_record(), _copy(c0.tensors)) is not None
+    assert _equal(miner.mode.trainer.params, validator.mode.trainer.params)
+    miner.mode.start_epoch(1)
+    _train(miner, uid=2, epoch=1)
+    report = miner.mode.contribution(miner.mode.samples, miner.mode.weight_cap).report
+    assert report.t0 == H and report.carry.step == 2 * H
+    honest = AuditRequest(uid=2, report=report, read_snapshot=read)
+    for seed in range(6):  # both stretches (steps 1-2 from the carried moments, and step 3)
+        verdict, = validator.mode.audit([honest], epoch=1, rng=random.Random(seed))
+        assert verdict.passed and verdict.audits, verdict.problem
+    # made-up start moments (committed in the step-0 snapshot and served): not what epoch 0 carried
+    snap0 = report.snapshots[0]
+    forged_start = dataclasses.replace(report, snapshots=(
+        dataclasses.replace(snap0, exp_avg=tuple(2 * x for x in snap0.exp_avg)), *report.snapshots[1:]))
+    verdict, = validator.mode.audit([AuditRequest(uid=2, report=forged_start, read_snapshot=read)], epoch=1,
+                                    rng=random.Random(0))
+    assert not verdict.passed and "not the ones it committed at the end of epoch 0" in verdict.problem
+    # a carry into epoch 2 that is not where the steps end: caught by the replay of the last stretch
+    forged_carry = dataclasses.replace(report, carry=dataclasses.replace(
+        report.carry, exp_avg_sq=tuple(x * 0.5 for x in report.carry.exp_avg_sq)))
+    caught = [v for seed in range(8) for v in validator.mode.audit(
+        [AuditRequest(uid=2, report=forged_carry, read_snapshot=read)], epoch=1, rng=random.Random(seed))]
+    assert any("moments carried into the next epoch are not what steps 3-3 produce" in v.problem for v in caught)
+    # served start moments other than the committed ones: caught when the replay starts at step 0
+    def other_moments(epoch, step, offset, length, timeout_s):
+        data = bytearray(miner.mode.snapshot(epoch, step, 0, 1 << 30))
+        if step == 0:
+            p, m, v = snapshots.decode(data, [q.shape for q in miner.mode.inner.params])
+            data = bytearray(snapshots.encode(p, [-x for x in m], v))
+        return bytes(data[offset:offset + length])
+    verdicts = [v for seed in range(8) for v in validator.mode.audit(
+        [AuditRequest(uid=2, report=report, read_snapshot=other_moments)], epoch=1, rng=random.Random(seed))]
+    assert any("snapshot at inner step 0 is not the committed optimizer state" in v.problem for v in verdicts)
+    # a validator that did not see epoch 0 cannot check the carried start; it replays the rest
+    newcomer = bench_of("diloco")
+    newcomer.mode.trainer.copy_parameters_from(validator.mode.trainer.params)
+    verdict, = newcomer.mode.audit([honest], epoch=1, rng=random.Random(0))
+    assert verdict.passed, verdict.problem
 
 
 # ---------------------------------------------------------------------------------- one real round

@@ -7,6 +7,7 @@ miner's steps exactly on the same hardware, and must not reproduce made-up ones.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -31,8 +32,8 @@ def _page(i: int) -> torch.Tensor:
 
 
 def _trainer(model, **kw) -> Trainer:
-    cfg = TrainerConfig(micro_batch_size=2, local_batch_size=4, lr=2e-3, warmup_steps=0, total_steps=100,
-                        precision="fp32", **kw)
+    cfg = TrainerConfig(**{**dict(micro_batch_size=2, local_batch_size=4, lr=2e-3, warmup_steps=0, total_steps=100,
+                                  precision="fp32"), **kw})
     return Trainer(copy.deepcopy(model), cfg)
 
 
@@ -41,10 +42,12 @@ def model():
     return create_model("tiny", vocab_size=512, n_positions=32, eos_token_id=0, seed=1)
 
 
-def _train(inner: Trainer, steps: int = H, page_of=lambda counter: counter, warmup: int = 0):
-    """A miner's inner loop, as dtrain.neurons.miner runs it: (report, {step: snapshot bytes})."""
+def _train(inner: Trainer, steps: int = H, page_of=lambda counter: counter, warmup: int = 0, epoch: int = EPOCH,
+           t0: int = 0):
+    """A miner's inner loop, as dtrain.neurons.miner runs it: (report, {step: snapshot bytes}).
+    ``t0``: the AdamW steps ``inner``'s moments already stand for (0: fresh)."""
     log = TrajectoryLog(RUN, every=EVERY)
-    log.start(EPOCH, inner.params)
+    log.start(epoch, inner.params, t0=t0)
     stored = {}
 
     def keep():
@@ -62,21 +65,26 @@ def _train(inner: Trainer, steps: int = H, page_of=lambda counter: counter, warm
             counter += 1
         samples = inner.accumulated_samples
         grad = log.gradient_sketch(inner.gradients())
-        position_inner_lr(inner, epoch=EPOCH, inner_steps=H, step_index=t, warmup=warmup)
+        position_inner_lr(inner, epoch=epoch, inner_steps=H, step_index=t, warmup=warmup, steps_before=t0)
         metrics = inner.step()
         log.record_step(counters=counters, pages=counters, samples=samples, loss=metrics.loss, params=inner.params,
                         grad_sketch=grad)
         if log.snapshot_due() and log.steps_done < H:
             keep()
-    return log.report(), stored
+    _, m, v = snapshots.inner_state(inner)
+    return log.report(log.carry(m, v)), stored
 
 
-def _replay(model, report, stored, first: int, last: int, warmup: int = 0):
+def _replay(model, report, stored, first: int, last: int, warmup: int = 0, t0: int | None = None):
+    """The validator's replay of steps ``first + 1 .. last``; ``t0`` (default: the report's) is
+    the optimizer step count it assumes the epoch started at."""
+    t0 = report.t0 if t0 is None else t0
     validator = _trainer(model)
     p, m, v = snapshots.decode(stored[first], [q.shape for q in validator.params])
-    snapshots.load_inner_state(validator, p, m, v, first)
-    out = replay_steps(validator, report.steps[first:last], first_step=first, epoch=EPOCH, inner_steps=H,
-                       read_page=_page, nonce=work_nonce(RUN, EPOCH), k=WORK_SKETCH_K, warmup=warmup)
+    snapshots.load_inner_state(validator, p, m, v, t0 + first)
+    out = replay_steps(validator, report.steps[first:last], first_step=first, epoch=report.epoch, inner_steps=H,
+                       read_page=_page, nonce=work_nonce(RUN, report.epoch), k=WORK_SKETCH_K, warmup=warmup,
+                       steps_before=t0)
     return [V.step_audit(e, compare_fingerprints(Fingerprint(e.loss, e.grad_sketch, e.samples),
                                                  Fingerprint(r.loss, r.grad_sketch, r.samples)),
                          compare_fingerprints(Fingerprint(e.loss, e.sketch, e.samples),
@@ -124,6 +132,25 @@ def test_the_inner_warmup_ramp_is_replayed_and_skipping_it_is_caught(model):
     # a miner that skips the swarm's ramp takes full-rate first steps: its updates do not replay
     skipped, stored = _train(_trainer(model), warmup=0)
     assert not all(c.passed for c in _replay(model, skipped, stored, 0, 2, warmup=3))
+
+
+def test_the_ramp_waits_for_the_schedules_own_warmup_and_moments_carried_need_none(model):
+    trainer = _trainer(model, warmup_steps=2 * H)  # the run's schedule ramps over its first 2 epochs
+
+    def lr(epoch: int, step: int, steps_before: int = 0) -> float:
+        position_inner_lr(trainer, epoch=epoch, inner_steps=H, step_index=step, warmup=3, steps_before=steps_before)
+        return trainer.optimizer.param_groups[0]["lr"]
+
+    def schedule(epoch: int, step: int) -> float:
+        trainer.set_schedule_position(epoch * H + step)
+        return trainer.optimizer.param_groups[0]["lr"]
+
+    # within the schedule's warm-up: its own ramp only (two multiplied would square it)
+    assert lr(0, 0) == schedule(0, 0) and lr(1, 1) == schedule(1, 1)
+    # after it, fresh moments ramp over their first 3 steps ...
+    assert lr(2, 0) == pytest.approx(schedule(2, 0) / 3) and lr(2, 3) == schedule(2, 3)
+    # ... and moments carried from the epoch before (t0 = H) do not
+    assert lr(2, 0, steps_before=H) == schedule(2, 0)
 
 
 def test_fused_adamw_replays_within_tolerance_of_the_plain_one(model):
@@ -297,4 +324,73 @@ def test_a_trajectory_may_not_name_more_pages_in_all_than_a_report_may(model):
     with pytest.raises(WorkReportError, match=f"more than {MAX_REPORT_PAGES} pages"):
         parse_report(wire)
     wire["s"] = wire["s"][:-1]  # at the bound: accepted
+    wire["carry"][0] = len(wire["s"])  # the end moments' commitment names the optimizer's step count
     assert len(parse_report(wire).pages) == MAX_REPORT_PAGES
+
+
+# ---------------------------------------------------------------- moments carried across epochs
+
+
+def _two_epochs(model, warmup: int = 0):
+    """Epoch EPOCH from fresh moments, then EPOCH + 1 from the moments it ended with (as a miner
+    whose round moved it on by one epoch): ((report, stored) of each)."""
+    inner = _trainer(model)
+    first = _train(inner, warmup=warmup)
+    second = _train(inner, warmup=warmup, epoch=EPOCH + 1, t0=H)
+    return first, second
+
+
+def test_an_epoch_started_from_carried_moments_replays_exactly_and_its_start_checks_out(model):
+    (a, _), (b, stored) = _two_epochs(model, warmup=3)
+    assert a.t0 == 0 and a.carry.step == H and b.t0 == H and b.carry.step == 2 * H
+    assert parse_report(b.to_wire()) == b
+    # the start moments are the end moments of the epoch before: the step-0 snapshot sketches,
+    # under this epoch's nonce, exactly what the previous report carried
+    assert (b.snapshots[0].exp_avg, b.snapshots[0].exp_avg_sq) == (a.carry.exp_avg, a.carry.exp_avg_sq)
+    assert any(b.snapshots[0].exp_avg)  # not fresh
+    assert V.start_moments_problem(b, (EPOCH, a.carry), epoch=EPOCH + 1) == ("", True)
+    # every stretch replays exactly from its snapshot, the first one from the carried moments
+    for first, last in ((0, 2), (2, 4), (4, 5)):
+        comparisons = _replay(model, b, stored, first, last, warmup=3)
+        assert all(c.passed and c.cosine > 1 - 1e-9 and c.loss_diff == 0 for c in comparisons), (first, comparisons)
+    # replayed as if the moments were fresh (t0 = 0: the ramp and AdamW's bias correction of a
+    # new optimizer), the same steps do not reproduce: the step count is part of the state
+    assert not all(c.passed for c in _replay(model, b, stored, 0, 2, warmup=3, t0=0))
+
+
+def test_start_moments_must_be_fresh_or_the_ones_committed_at_the_end_of_the_epoch_before(model):
+    (a, _), (b, _) = _two_epochs(model)
+    fresh, _ = _train(_trainer(model), epoch=EPOCH + 1)
+    # fresh moments need no history
+    assert V.start_moments_problem(fresh, None, epoch=EPOCH + 1) == ("", True)
+    # "fresh" with non-zero moments committed at step 0
+    claimed_fresh = dataclasses.replace(b, t0=0)
+    problem, checked = V.start_moments_problem(claimed_fresh, (EPOCH, a.carry), epoch=EPOCH + 1)
+    assert checked and "fresh moments (t0 = 0) but commits non-zero moments" in problem
+    # made-up start moments (say, the committed ones negated): not what the epoch before carried
+    made_up = SnapshotCommit(0, tuple(-x for x in b.snapshots[0].exp_avg), b.snapshots[0].exp_avg_sq)
+    forged = dataclasses.replace(b, snapshots=(made_up, *b.snapshots[1:]))
+    problem, checked = V.start_moments_problem(forged, (EPOCH, a.carry), epoch=EPOCH + 1)
+    assert checked and "not the ones it committed at the end of epoch" in problem
+    # another optimizer step count than the one carried
+    problem, _ = V.start_moments_problem(dataclasses.replace(b, t0=H + 7), (EPOCH, a.carry), epoch=EPOCH + 1)
+    assert f"moments of {H + 7} optimizer steps, but committed {H}" in problem
+    # a validator without the previous epoch's commitment (it was not in that round, or its
+    # memory is of an older epoch) cannot check a carried start, and says so
+    assert V.start_moments_problem(b, None, epoch=EPOCH + 1) == ("", False)
+    assert V.start_moments_problem(b, (EPOCH - 1, a.carry), epoch=EPOCH + 1) == ("", False)
+
+
+@pytest.mark.parametrize("mutate,fragment", [
+    (lambda w: w.pop("carry"), "must carry"),
+    (lambda w: w["carry"].__setitem__(0, H + 1), "must carry"),
+    (lambda w: w.__setitem__("t0", -1), "'t0' must be an integer"),
+    (lambda w: w.__setitem__("t0", True), "'t0' must be an integer"),
+    (lambda w: w["carry"].__setitem__(1, b"\0" * 3), "carry sketch"),
+])
+def test_malformed_carries_are_refused(model, mutate, fragment):
+    report, _ = _train(_trainer(model))
+    wire = report.to_wire()
+    mutate(wire)
+    with pytest.raises(WorkReportError, match=fragment):
+        parse_report(wire)

@@ -7,29 +7,34 @@ Two copies of the model:
   with Nesterov momentum at a constant rate, no clipping, no weight decay. Rounds average
   into it exactly as in per-step mode, so catch-up, checkpoints, state slices and Train
   challenges all refer to the anchor;
-- the inner copy (``inner``), which restarts from the anchor with fresh AdamW moments every
-  epoch (:meth:`DiLoCo.start_epoch`) and takes up to H steps on the miner's own pages, each
-  recorded in a trajectory report (``dtrain.training.trajectory``), with a snapshot kept
-  every ``diloco_snapshot_every`` steps for validators' replays.
+- the inner copy (``inner``), which restarts from the anchor every epoch
+  (:meth:`DiLoCo.start_epoch`), keeping its AdamW moments from the epoch before when they are
+  the ones it committed then (else fresh ones), and takes up to H steps on the miner's own
+  pages, each recorded in a trajectory report (``dtrain.training.trajectory``), with a
+  snapshot kept every ``diloco_snapshot_every`` steps for validators' replays.
 
 A round averages ``anchor - inner parameters`` (the sign of a gradient); every peer then takes
 the same outer step on the same anchor, so the replicas, and the outer momentum, stay
 identical. A failed round changes nothing: the inner steps wait for the next one.
 
 A validator audits a trajectory by its shape, its page ids and its start (this epoch's
-anchor), then replays one randomly chosen stretch of it from the snapshot before it
+anchor, and moments that are fresh or the ones the miner committed at the end of its previous
+epoch), then replays one randomly chosen stretch of it from the snapshot before it
 (:meth:`DiLoCo.audit`; every decision is ``dtrain.validation.verification``'s).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from dtrain.modes.base import AuditRequest, Contribution, Mode, ModeSettings, PageTrained, Progress
+
+log = logging.getLogger(__name__)
 
 # A snapshot is downloaded in pieces of this size (the miner's per-request limit is 64 MiB).
 SNAPSHOT_CHUNK = 16 << 20
@@ -63,15 +68,33 @@ class DiLoCo(Mode):
         self.inner = Trainer(copy.deepcopy(anchor.model), settings.local_trainer_config(device, fused))
         self.trajectory = TrajectoryLog(settings.run_id, settings.snapshot_every)
         self._step_pages: list[tuple[int, int]] = []  # (counter, page) of the inner step being accumulated
+        # (epoch + 1, epoch, steps) of the last contribution: start_epoch keeps the moments only
+        # for the epoch after it, with no step taken since (the state its carry commits to)
+        self._committed_end: tuple[int, int, int] | None = None
+        # a validator's memory: uid -> {epoch: carry} of the trajectories it audited in the last two
+        # epochs, what the miner's next epoch may start from (verification.start_moments_problem)
+        self._carries: dict[int, dict] = {}
 
     # ---------------------------------------------------------------- training
 
     def start_epoch(self, epoch: int) -> None:
-        """Restart the inner copy from the anchor with fresh moments: the trajectory a validator
-        can replay begins here. A snapshot of it (12 bytes per parameter) is written."""
+        """Restart the inner copy from the anchor: the trajectory a validator can replay begins
+        here. A snapshot of it (12 bytes per parameter) is written.
+
+        The AdamW moments are kept when they are exactly the ones this miner committed at the
+        end of the previous epoch (its ``carry``, in the gather of the round that ended it):
+        that is what a validator can check the new epoch's start against. Anything else (the
+        first epoch, a resume, a catch-up, a round that did not move us on by one epoch, a step
+        taken after the commitment) starts from fresh moments, which need no history.
+        """
+        committed = self._committed_end
+        keep = committed is not None and committed == (epoch, self.trajectory.epoch, self.trajectory.steps_done)
+        t0 = self.trajectory.t0 + self.trajectory.steps_done if keep else 0
         self.inner.copy_parameters_from(self.trainer.params)
-        self.inner.reset_optimizer_state()
-        self.trajectory.start(epoch, self.inner.params)
+        if not keep:
+            self.inner.reset_optimizer_state()
+        self._committed_end = None
+        self.trajectory.start(epoch, self.inner.params, t0=t0)
         self._step_pages = []
         self._keep_snapshot()
         self.store.prune(epoch)
@@ -93,7 +116,7 @@ class DiLoCo(Mode):
             samples = inner.accumulated_samples
             grad_sketch = self.trajectory.gradient_sketch(inner.gradients())
             position_inner_lr(inner, epoch=epoch, inner_steps=H, step_index=self.trajectory.steps_done,
-                              warmup=self.settings.inner_warmup)
+                              warmup=self.settings.inner_warmup, steps_before=self.trajectory.t0)
             metrics = inner.step()
             self.trajectory.record_step(counters=[c for c, _ in self._step_pages],
                                         pages=[p for _, p in self._step_pages], samples=samples,
@@ -128,8 +151,17 @@ class DiLoCo(Mode):
 
     def contribution(self, samples: int, weight_cap: float) -> Contribution:
         # The pseudo-gradient: anchor - parameters after the inner steps (the sign of a gradient).
+        from dtrain.training import snapshots
+
         pseudo = [(a.detach().float() - p.detach().float()).cpu() for a, p in zip(self.trainer.params, self.inner.params)]
-        report = self.trajectory.report()
+        traj = self.trajectory
+        carry = None
+        if traj.steps_done:
+            # the moments the next epoch may start from, committed with this report
+            _, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
+            carry = traj.carry(exp_avg, exp_avg_sq)
+            self._committed_end = (traj.epoch + 1, traj.epoch, traj.steps_done)
+        report = traj.report(carry)
         return Contribution(pseudo, float(min(samples, report.samples, weight_cap)), report)
 
     # ---------------------------------------------------------------- validating
@@ -149,7 +181,9 @@ class DiLoCo(Mode):
         from dtrain.training.fingerprint import gradient_sketch
         from dtrain.training.replica import sketch_distance, within_tolerance
         from dtrain.training.work import WORK_SKETCH_K, work_nonce
-        from dtrain.validation.verification import check_page_ids, judge_trajectory, trajectory_shape_problem
+        from dtrain.validation.verification import (
+            check_page_ids, judge_trajectory, start_moments_problem, trajectory_shape_problem,
+        )
 
         s = self.settings
         nonce = work_nonce(s.run_id, epoch)
@@ -166,6 +200,22 @@ class DiLoCo(Mode):
                        or check_page_ids(report.pages, self.expected_page(req.uid, epoch)))
             if not problem and not within_tolerance(sketch_distance(report.start, anchor)):
                 problem = "inner steps did not start from this epoch's shared parameters"
+            if not problem:
+                seen = self._carries.get(req.uid, {})
+                remembered = (epoch - 1, seen[epoch - 1]) if epoch - 1 in seen else None
+                problem, checked = start_moments_problem(report, remembered, epoch=epoch)
+                if not checked:
+                    log.info("uid %d starts epoch %d from carried moments this validator saw no commitment for "
+                             "(not in the previous round): its start is checked by the validators that were",
+                             req.uid, epoch)
+            if report.epoch == epoch:
+                # What its next epoch may start from (checked then, whatever this audit finds now).
+                # Kept per epoch: a round that fails is audited again at the same epoch, and must
+                # not replace the previous epoch's commitment it is checked against.
+                seen = self._carries.setdefault(req.uid, {})
+                seen[epoch] = report.carry
+                for old in [e for e in seen if e < epoch - 1]:
+                    del seen[old]
             audits, first = [], 0
             if not problem:
                 problem, audits, first = self.replay_stretch(req, epoch=epoch, rng=rng, nonce=nonce)
@@ -180,7 +230,7 @@ class DiLoCo(Mode):
         from dtrain.training import snapshots
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints, gradient_sketch
         from dtrain.training.replay import replay_steps
-        from dtrain.training.work import WORK_SKETCH_K
+        from dtrain.training.work import WORK_SKETCH_K, work_nonce
         from dtrain.validation.verification import (
             MOMENTS_RTOL, SNAPSHOT_RTOL, choose_replay_segment, sketch_mismatch, step_audit,
         )
@@ -201,17 +251,17 @@ class DiLoCo(Mode):
         if sketch_mismatch(report.params_sketch_after(first), measured, SNAPSHOT_RTOL):
             return f"snapshot at inner step {first} is not the committed parameters", [], first
 
-        def moments_differ(committed, exp_avg, exp_avg_sq, rtol: float) -> bool:
-            return any(sketch_mismatch(want, gradient_sketch(got, nonce, k=WORK_SKETCH_K).tolist(), rtol)
+        def moments_differ(committed, exp_avg, exp_avg_sq, rtol: float, under: str = nonce) -> bool:
+            return any(sketch_mismatch(want, gradient_sketch(got, under, k=WORK_SKETCH_K).tolist(), rtol)
                        for want, got in ((committed.exp_avg, exp_avg), (committed.exp_avg_sq, exp_avg_sq)))
 
-        if first > 0 and moments_differ(commit, exp_avg, exp_avg_sq, SNAPSHOT_RTOL):
+        if report.t0 + first > 0 and moments_differ(commit, exp_avg, exp_avg_sq, SNAPSHOT_RTOL):
             return f"snapshot at inner step {first} is not the committed optimizer state", [], first
-        snapshots.load_inner_state(inner, params, exp_avg, exp_avg_sq, first)
+        snapshots.load_inner_state(inner, params, exp_avg, exp_avg_sq, report.t0 + first)
         s = self.settings
         replayed = replay_steps(inner, report.steps[first:target], first_step=first, epoch=epoch,
                                 inner_steps=s.inner_steps, read_page=lambda page: self.reader.read_pages([page]),
-                                nonce=nonce, k=WORK_SKETCH_K, warmup=s.inner_warmup)
+                                nonce=nonce, k=WORK_SKETCH_K, warmup=s.inner_warmup, steps_before=report.t0)
         audits = []
         for entry, mine in zip(report.steps[first:target], replayed):
             # The gradient tells the pages apart; the update, that AdamW was applied as committed.
@@ -227,6 +277,13 @@ class DiLoCo(Mode):
             _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
             if moments_differ(following, exp_avg, exp_avg_sq, MOMENTS_RTOL):
                 return (f"the optimizer state committed at inner step {target} is not what steps {first + 1}-{target} "
+                        "produce"), audits, first
+        elif target == len(report.steps) and report.carry is not None and all(a.passed for a in audits):
+            # The last stretch ends where the carry was committed (under the next epoch's nonce):
+            # the moments the next epoch may start from must be the ones these steps produce.
+            _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
+            if moments_differ(report.carry, exp_avg, exp_avg_sq, MOMENTS_RTOL, work_nonce(s.run_id, epoch + 1)):
+                return (f"the moments carried into the next epoch are not what steps {first + 1}-{target} "
                         "produce"), audits, first
         return "", audits, first
 

@@ -259,7 +259,9 @@ class _SandbaggingDiLoCo(DiLoCo):
         first = real.snapshots[0]
         snaps = tuple(SnapshotCommit(step=s, exp_avg=first.exp_avg, exp_avg_sq=first.exp_avg_sq)
                       for s in range(0, H, real.every))
-        report = TrajectoryReport(epoch=real.epoch, every=real.every, start=real.start, steps=steps, snapshots=snaps)
+        carry = dataclasses.replace(real.carry, step=real.t0 + H)  # the real end moments, passed off as H steps
+        report = TrajectoryReport(epoch=real.epoch, every=real.every, start=real.start, steps=steps, snapshots=snaps,
+                                  t0=real.t0, carry=carry)
         return Contribution([t * H for t in honest.tensors], float(min(report.samples, weight_cap)), report)
 
 

@@ -78,12 +78,13 @@ def decode(data: bytes | bytearray, shapes: Sequence[torch.Size]):
 
 
 @torch.no_grad()
-def load_inner_state(trainer, params, exp_avg, exp_avg_sq, step: int) -> None:
-    """Make ``trainer`` (AdamW) continue from a snapshot taken after ``step`` inner steps."""
+def load_inner_state(trainer, params, exp_avg, exp_avg_sq, optimizer_steps: int) -> None:
+    """Make ``trainer`` (AdamW) continue from a snapshot whose moments stand for
+    ``optimizer_steps`` AdamW steps (the trajectory's ``t0`` plus the snapshot's step)."""
     trainer.copy_parameters_from(params)
     trainer.reset_optimizer_state()
-    if step > 0:  # at step 0: fresh moments, exactly the state a new outer step starts from
-        trainer.load_moments(list(zip(exp_avg, exp_avg_sq)), float(step))
+    if optimizer_steps > 0:  # 0: fresh moments, whatever the snapshot holds
+        trainer.load_moments(list(zip(exp_avg, exp_avg_sq)), float(optimizer_steps))
 
 
 class SnapshotStore:

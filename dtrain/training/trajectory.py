@@ -12,7 +12,13 @@ commits in the round's gather, before any validator chooses what to check:
   the sketch of the step's update ``u_t = c_{t-1} - c_t`` (``c_t`` is the sketch of the
   parameters after step t);
 * every ``every`` steps (t = 0, every, 2 every, ...): the sketches of the AdamW moments
-  (``exp_avg``, ``exp_avg_sq``) at that point: a *snapshot* the miner keeps and serves.
+  (``exp_avg``, ``exp_avg_sq``) at that point: a *snapshot* the miner keeps and serves;
+* ``t0``: how many AdamW steps the moments it started from stand for (0: fresh moments);
+* ``carry``: the sketches of the moments after its last step under the *next* epoch's nonce.
+  The inner optimizer keeps its moments from one epoch to the next (restarting them cost
+  convergence); a validator checks the next epoch's start moments against this commitment,
+  and the replay of the last stretch checks the commitment itself (docs/protocol.md,
+  "DiLoCo", "Carried moments").
 
 Sketches are linear, so the pseudo-gradient's sketch is ``sum(u_t)`` (``contribution_sketch``):
 the same binding rule as per-step mode ties what a miner sends to what it committed
@@ -37,6 +43,9 @@ TRAJECTORY_MODE = "diloco"
 # A step names at most this many pages: a local batch is a handful of pages; the bound keeps
 # a hostile gather cheap to parse.
 MAX_STEP_PAGES = 4096
+# The inner optimizer's step count, carried from epoch to epoch, is at most this (a bound for a
+# hostile gather; 2**40 steps is far beyond any run).
+MAX_OPTIMIZER_STEPS = 1 << 40
 
 
 def _pack(values: Sequence[float]) -> bytes:
@@ -84,6 +93,11 @@ class TrajectoryReport:
     start: tuple[float, ...]
     steps: tuple[InnerStepWork, ...] = field(default_factory=tuple)
     snapshots: tuple[SnapshotCommit, ...] = field(default_factory=tuple)
+    # AdamW steps the start moments stand for (0: fresh moments; then the step-0 snapshot's
+    # sketches are zero), and the moments after the last step under the next epoch's nonce
+    # (``step`` = t0 + len(steps), the optimizer's count then). None without steps.
+    t0: int = 0
+    carry: SnapshotCommit | None = None
 
     @property
     def samples(self) -> int:
@@ -113,11 +127,20 @@ class TrajectoryReport:
     def snapshot_at(self, step: int) -> SnapshotCommit | None:
         return next((s for s in self.snapshots if s.step == step), None)
 
+    @property
+    def optimizer_steps(self) -> int:
+        """The inner optimizer's step count after the last committed step."""
+        return self.t0 + len(self.steps)
+
     def to_wire(self) -> dict:
-        return {"m": TRAJECTORY_MODE, "e": int(self.epoch), "every": int(self.every), "c0": _pack(self.start),
+        wire = {"m": TRAJECTORY_MODE, "e": int(self.epoch), "every": int(self.every), "c0": _pack(self.start),
                 "s": [[list(s.counters), list(s.pages), s.samples, float(s.loss), _pack(s.sketch), _pack(s.grad_sketch)]
                       for s in self.steps],
-                "snap": [[s.step, _pack(s.exp_avg), _pack(s.exp_avg_sq)] for s in self.snapshots]}
+                "snap": [[s.step, _pack(s.exp_avg), _pack(s.exp_avg_sq)] for s in self.snapshots],
+                "t0": int(self.t0)}
+        if self.carry is not None:
+            wire["carry"] = [self.carry.step, _pack(self.carry.exp_avg), _pack(self.carry.exp_avg_sq)]
+        return wire
 
     @classmethod
     def from_wire(cls, data: object, k: int = WORK_SKETCH_K) -> "TrajectoryReport":
@@ -165,7 +188,22 @@ class TrajectoryReport:
         wanted = list(range(0, len(steps), every))
         if [s.step for s in snapshots] != wanted:
             raise WorkReportError(f"snapshots must be at steps {wanted[:8]}{'...' if len(wanted) > 8 else ''}")
-        return cls(epoch=epoch, every=every, start=start, steps=tuple(steps), snapshots=tuple(snapshots))
+        t0 = data.get("t0", 0)
+        if not (_int(t0) and 0 <= t0 <= MAX_OPTIMIZER_STEPS):
+            raise WorkReportError(f"'t0' must be an integer from 0 to {MAX_OPTIMIZER_STEPS}")
+        carry = None
+        carry_in = data.get("carry")
+        if steps:
+            if not (isinstance(carry_in, list) and len(carry_in) == 3 and _int(carry_in[0])
+                    and carry_in[0] == t0 + len(steps)):
+                raise WorkReportError("a trajectory with steps must carry [t0 + steps, exp_avg sketch, "
+                                      "exp_avg_sq sketch] of its end moments")
+            carry = SnapshotCommit(step=carry_in[0], exp_avg=_unpack(carry_in[1], k, "carry sketch"),
+                                   exp_avg_sq=_unpack(carry_in[2], k, "carry sketch"))
+        elif carry_in is not None:
+            raise WorkReportError("a trajectory without steps carries no moments")
+        return cls(epoch=epoch, every=every, start=start, steps=tuple(steps), snapshots=tuple(snapshots),
+                   t0=t0, carry=carry)
 
     @classmethod
     def empty(cls, epoch: int, k: int = WORK_SKETCH_K) -> "TrajectoryReport":
@@ -203,6 +241,7 @@ class TrajectoryLog:
         self._last: tuple[float, ...] = (0.0,) * k
         self._steps: list[InnerStepWork] = []
         self._snapshots: list[SnapshotCommit] = []
+        self.t0 = 0
 
     @property
     def nonce(self) -> str:
@@ -216,8 +255,11 @@ class TrajectoryLog:
     def samples(self) -> int:
         return sum(s.samples for s in self._steps)
 
-    def start(self, epoch: int, params: Sequence) -> None:
+    def start(self, epoch: int, params: Sequence, t0: int = 0) -> None:
+        """Begin the epoch's trajectory at ``params``, with moments that stand for ``t0`` AdamW
+        steps (0: fresh)."""
         self.epoch = int(epoch)
+        self.t0 = int(t0)
         self._start = self.gradient_sketch(params)
         self._last = self._start
         self._steps, self._snapshots = [], []
@@ -253,8 +295,21 @@ class TrajectoryLog:
         self._last = now
         return entry
 
-    def report(self) -> TrajectoryReport:
+    def carry(self, exp_avg: Sequence, exp_avg_sq: Sequence) -> SnapshotCommit:
+        """The commitment to the moments now, after the last step, under the next epoch's nonce:
+        what the next epoch's step-0 snapshot must sketch to when the moments are kept."""
+        from dtrain.training.fingerprint import gradient_sketch
+
+        nxt = work_nonce(self.run_id, self.epoch + 1)
+        return SnapshotCommit(step=self.t0 + self.steps_done,
+                              exp_avg=tuple(gradient_sketch(list(exp_avg), nxt, k=self.k).tolist()),
+                              exp_avg_sq=tuple(gradient_sketch(list(exp_avg_sq), nxt, k=self.k).tolist()))
+
+    def report(self, carry: SnapshotCommit | None = None) -> TrajectoryReport:
+        """The trajectory so far; ``carry`` (from :meth:`carry`) is required once a step was taken."""
         # Snapshots past the last step serve no replay (and the wire rule does not expect them).
         snaps = tuple(s for s in self._snapshots if s.step < len(self._steps))
+        if self._steps and (carry is None or carry.step != self.t0 + self.steps_done):
+            raise ValueError("a trajectory with steps needs the carry of its end moments")
         return TrajectoryReport(epoch=self.epoch, every=self.every, start=self._start, steps=tuple(self._steps),
-                                snapshots=snaps)
+                                snapshots=snaps, t0=self.t0, carry=carry if self._steps else None)

@@ -204,6 +204,42 @@ def trajectory_shape_problem(report, *, inner_steps: int, page_sequences: int) -
     return ""
 
 
+def start_moments_problem(report, remembered, *, epoch: int) -> tuple[str, bool]:
+    """Whether a trajectory's start moments are ones it may start from: ``(problem, checked)``.
+
+    The inner AdamW moments are carried from one epoch to the next (fresh moments every epoch
+    cost convergence, docs/training.md). A miner may start an epoch from
+
+    * fresh moments (``t0`` = 0): its step-0 snapshot then commits zero sketches; or
+    * the moments it committed at the end of the previous epoch, in that round's gather (the
+      report's ``carry``, sketched under this epoch's nonce, with the optimizer's step count):
+      the step-0 snapshot must commit exactly those sketches and ``t0`` that count.
+
+    Nothing else: made-up start moments could make any replayed update independent of the
+    data. ``remembered``: ``(epoch, carry)`` of the last report of this miner this validator
+    saw, or None. A validator that has no carry of this miner for the previous epoch (it was
+    not in that round, or restarted) cannot check a carried start: ``("", False)``; every
+    validator that was there checks it. ``checked`` is True when the start was verified.
+    """
+    snap0 = report.snapshot_at(0)
+    if snap0 is None:  # a trajectory without steps: nothing is replayed from it
+        return "", True
+    if report.t0 == 0:
+        if any(snap0.exp_avg) or any(snap0.exp_avg_sq):
+            return "starts from fresh moments (t0 = 0) but commits non-zero moments at step 0", True
+        return "", True
+    if remembered is None or remembered[0] != epoch - 1 or remembered[1] is None:
+        return "", False
+    carry = remembered[1]
+    if carry.step != report.t0:
+        return (f"starts from moments of {report.t0} optimizer steps, but committed {carry.step} at the end of "
+                f"epoch {epoch - 1}"), True
+    if (sketch_mismatch(carry.exp_avg, snap0.exp_avg, SNAPSHOT_RTOL)
+            or sketch_mismatch(carry.exp_avg_sq, snap0.exp_avg_sq, SNAPSHOT_RTOL)):
+        return f"start moments are not the ones it committed at the end of epoch {epoch - 1}", True
+    return "", True
+
+
 def sketch_mismatch(claimed: Sequence[float], measured: Sequence[float], rtol: float) -> bool:
     """Whether two sketches of the same values differ beyond ``rtol`` of the larger norm."""
     if len(claimed) != len(measured):
