@@ -27,12 +27,23 @@ class FaultInjection:
     send_nonfinite: bool = False  # send NaN/Inf instead of our values (a broken/cheating peer)
     scale_parts: float = 1.0  # multiply sent parts after announcing the true norm (a lying poisoner)
     fail_after_parts: Optional[int] = None  # raise in the writer after this many parts (a broken encoder)
+    # prove, to every reducer, the claims of the parts actually sent (its parts times scale_parts)
+    # instead of the committed ones: a liar whose per-part claims would all check out
+    forge_claims: bool = False
 
 
 class FaultyRunner(CheckedRunner):
     def __init__(self, *, fault: FaultInjection, **kwargs):
         self.fault = fault
         super().__init__(**kwargs)
+
+    def preamble_for(self, peer_index: int):
+        if not self.fault.forge_claims or self.own_tree is None:
+            return super().preamble_for(peer_index)
+        from dtrain.swarm.averaging.claims_tree import ClaimsTree
+
+        forged = ClaimsTree(self.own_tree.claims * self.fault.scale_parts)  # sketches are linear
+        return forged.range_proof(*self.share_of(peer_index))
 
     async def messages_to_reducer(self, peer_index: int, messages):
         fault = self.fault

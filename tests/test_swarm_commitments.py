@@ -115,6 +115,54 @@ def test_lying_claims_are_caught_by_the_reducer(nodes):
         assert bool(torch.isclose(d[0], honest_mean, atol=1e-5).any())
 
 
+def test_claims_that_do_not_prove_out_against_the_committed_root_are_refused(nodes):
+    """Parts negated on the wire, and with them the claims each reducer is shown for its share
+    (so every part matches its claim): those claims are not under the root the gather committed,
+    and every reducer refuses the sender before it takes a part."""
+    torch.manual_seed(6)
+    data = [[torch.randn(3000)] for _ in range(3)]
+    reports = [honest_report(t, 8) for t in data]
+    originals = [d[0].clone() for d in data]
+    swarms, recs = _run(nodes, data, _cfg(3), reports=reports, weights=[8, 8, 8],
+                        faults={2: FaultInjection(scale_parts=-1.0, forge_claims=True)})
+    liar = swarms[2].peer_id
+    for r in recs[:2]:
+        assert r.outcome_of(liar) == Outcome.FAIL
+        assert _reason(r, liar) == "sent claims that do not match its committed root"
+        assert all(r.outcome_of(s.peer_id) == Outcome.SUCCESS for s in swarms[:2])
+    honest_mean = (originals[0] + originals[1]) / 2
+    all_three = (originals[0] + originals[1] + originals[2]) / 3
+    for d in data[:2]:  # the negated parts never got in (the liar reduces its own share honestly)
+        ok = torch.isclose(d[0], honest_mean, atol=1e-5) | torch.isclose(d[0], all_three, atol=1e-5)
+        assert bool(ok.all())
+
+
+def test_a_reducer_that_commits_nothing_still_reads_the_claims_ahead_of_the_parts(nodes):
+    """Without required commitments, a peer that committed nothing checks nobody's claims, but a
+    committed sender's stream to it still starts with them: it must read them off and average
+    the parts after them, and the committed peers must not expect claims from it."""
+    torch.manual_seed(7)
+    data = [[torch.randn(3000)] for _ in range(3)]
+    reports = [honest_report(t, 8) for t in data]
+    expected = (data[0][0] + data[1][0] + data[2][0]) / 3
+    cfg = _cfg(3, require_commitments=False)
+    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg) for i in range(3)]
+    try:
+        recs = run_concurrently([
+            lambda: swarms[0].run_round(data[0], weight=8, cap=100, work=reports[0], work_nonce=NONCE),
+            lambda: swarms[1].run_round(data[1], weight=8, cap=100, work=reports[1], work_nonce=NONCE),
+            lambda: swarms[2].run_round(data[2], weight=8, cap=100),  # no commitment
+        ])
+    finally:
+        for s in swarms:
+            s.shutdown()
+    for r in recs:
+        assert not r.error and r.fraction_averaged == 1.0, r.error
+        assert all(p.outcome == Outcome.SUCCESS for p in r.peers), [(p.outcome, p.reason) for p in r.peers]
+    for d in data:
+        torch.testing.assert_close(d[0], expected, rtol=0, atol=1e-5)
+
+
 def test_weight_above_committed_samples_and_missing_commitment_are_refused(nodes):
     torch.manual_seed(3)
     data = [[torch.randn(2000)] for _ in range(4)]
@@ -174,7 +222,8 @@ def test_a_large_commitment_reaches_the_averager_whole(nodes):
     data = [[torch.randn(300_000)] for _ in range(2)]
     reports = [honest_report(t, 8) for t in data]
     expected = (data[0][0] + data[1][0]) / 2
-    # 4 KiB parts: 293 parts x 64 float32 claims = 75 KB of claims per gather
+    # 4 KiB parts: 293 parts x 64 float32 claims = 75 KB of claims, which go to our own averager
+    # with the gather (only their tree's root goes to the group)
     swarms, recs = _run(nodes, data, _cfg(2), reports=reports, weights=[8, 8])
     for r in recs:
         assert not r.error, r.error

@@ -140,11 +140,12 @@ def _decoded(tensors, compression, part_size: int) -> list[torch.Tensor]:
     return [o.reshape(t.shape) for o, t in zip(out, tensors)]
 
 
-def _binding(sent, report, compression, part_size: int, nonce: str = NONCE) -> tuple[float, Commitment, PartLayout]:
+def _binding(sent, report, compression, part_size: int, nonce: str = NONCE):
+    """(binding error, the parsed commitment, the layout, the claims it commits to)."""
     layout = PartLayout.of(sent, compression, part_size)
     claims = compute_claims(sent, layout, nonce, compression)
-    commitment = Commitment.parse(Commitment(nonce, report, claims).to_gather(), len(layout))
-    return binding_error(commitment), commitment, layout
+    commitment = Commitment.parse(Commitment.of_claims(nonce, report, claims).to_gather())
+    return binding_error(commitment), commitment, layout, claims
 
 
 def _cheats(true, old) -> dict[str, list[torch.Tensor]]:
@@ -247,13 +248,13 @@ def test_honest_eight_bit_contributions_pass_every_rule(distributions, part_size
         # the epoch's nonce draws the sketch: several epochs exercise the sketch's randomness
         for epoch in range(2):
             nonce = work_nonce("compression-test", epoch)
-            err, commitment, layout = _binding(x, _report(x, nonce=nonce), comp, part_size, nonce)
+            err, commitment, layout, claims = _binding(x, _report(x, nonce=nonce), comp, part_size, nonce)
             worst_binding[kind] = max(worst_binding.get(kind, 0.0), err)
             assert binding_verdict(commitment, weight=8, nonce=nonce, compression="8bit") == "", (kind, err)
             # every part a reducer receives matches its claim and stays within the announced norm
             for g, (i, start, length) in enumerate(layout.parts):
                 part = decoded[i].reshape(-1)[start:start + length]
-                assert part_matches_claim(part, commitment.claims[g], i, start, nonce), (kind, g)
+                assert part_matches_claim(part, claims[g], i, start, nonce), (kind, g)
                 assert _within(float(part.double().norm()), announced), kind
     # the rule's premise, measured: an honest binding error stays below the codec bound, so far
     # (SKETCH_MARGIN x) inside the tolerance
@@ -266,7 +267,7 @@ def test_every_cheat_fails_the_eight_bit_binding(distributions):
     for kind, (x, old) in distributions.items():
         report = _report(x)
         for cheat, sent in _cheats(x, old).items():
-            err, commitment, _ = _binding(sent, report, comp, 2**17)
+            err, commitment, _, _ = _binding(sent, report, comp, 2**17)
             smallest[cheat] = min(smallest.get(cheat, math.inf), err)
             assert "does not match its committed pages" in binding_verdict(
                 commitment, weight=8, nonce=NONCE, compression="8bit"), (kind, cheat, err)
@@ -280,14 +281,14 @@ def test_every_cheat_fails_the_eight_bit_binding(distributions):
 def test_a_lying_claim_is_refused_part_by_part_under_eight_bit(distributions):
     comp = codecs.make_compression("8bit")
     x = distributions["lm-gradient"][0]
-    _, commitment, layout = _binding(x, _report(x), comp, 4096)
+    _, _, layout, claims = _binding(x, _report(x), comp, 4096)
     decoded = _decoded(x, comp, 4096)
     for g, (i, start, length) in enumerate(layout.parts[:40]):
         part = decoded[i].reshape(-1)[start:start + length]
         if float(part.norm()) == 0:
             continue  # an all-zero part (unseen embedding rows) looks the same negated
         for altered in (-part, 0.5 * part, as_received(part * 1.01, comp)):
-            assert not part_matches_claim(altered, commitment.claims[g], i, start, NONCE)
+            assert not part_matches_claim(altered, claims[g], i, start, NONCE)
     assert PART_RTOL < 1e-3
 
 

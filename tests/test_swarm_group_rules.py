@@ -137,12 +137,12 @@ def report(samples=8, epoch=4, direction=None):
 
 def commit(nonce=NONCE, claims=None, **kw):
     rep, honest = report(**kw)
-    return Commitment(nonce=nonce, report=rep, claims=honest if claims is None else claims).to_gather()
+    return Commitment.of_claims(nonce, rep, honest if claims is None else claims).to_gather()
 
 
 def verdicts(users, me=0):
     p = plan(users, me)
-    commitments, unbound = gr.check_commitments(users, p.mine, p.compatible, p.claimed, PARTS)
+    commitments, unbound = gr.check_commitments(users, p.mine, p.compatible, p.claimed)
     gr.apply_commitments(p, commitments, unbound)
     return p, commitments, unbound
 
@@ -156,7 +156,7 @@ def test_commitment_verdicts():
         gather(),  # no commitment
         gather(commit=commit(claims=lying)),  # claims that do not add up to its report
         gather(commit=commit(nonce=work_nonce("rules", 3))),  # another epoch
-        gather(commit={"nonce": NONCE, "claims": b"short", "work": report()[0].to_wire()}),  # malformed
+        gather(commit={**commit(), "root": b"short"}),  # malformed
         gather(w=0, commit=commit(nonce=work_nonce("rules", 5))),  # a validator of another epoch
         gather(w=0, commit=commit()),  # a validator of this epoch
         gather(fp="other", commit=commit(claims=lying)),  # another model: not judged here
@@ -172,8 +172,10 @@ def test_commitment_verdicts():
     assert [p.roles[i] for i in range(10)] == ["node", "node"] + ["aux"] * 6 + ["node", "aux"]
     assert set(p.work_reports()) == {f"peer{i}" for i in (0, 1, 2, 4, 5, 7, 8)}
     assert p.claims_nonce == NONCE
-    claims = p.sender_claims
-    assert len(claims) == len(p.senders) == 3 and all(c is not None for c in claims)
+    commits = p.sender_commitments
+    assert len(commits) == len(p.senders) == 3 and all(c is not None for c in commits)
+    # every sender that committed heads its streams with its claims; the others' streams do not
+    assert p.senders_with_claims == [True, True, True]
     report_peers = gr.round_report(p, round_id="r")["peers"]
     assert [x["outcome"] for x in report_peers] == ["SUCCESS", "SUCCESS"] + ["FAIL"] * 6 + ["SUCCESS", "WRONG_MODEL"]
     assert report_peers[3]["reason"] == "no work commitment"
@@ -187,7 +189,9 @@ def test_without_required_commitments_an_uncommitted_peer_is_admitted():
 
 def test_a_peer_without_a_commitment_of_its_own_checks_none():
     p, commitments, unbound = verdicts([gather(), gather(commit=commit(claims=report()[1] * 0))])
-    assert commitments is None and unbound == {} and p.sender_claims is None and p.claims_nonce == ""
+    assert commitments is None and unbound == {} and p.sender_commitments is None and p.claims_nonce == ""
+    # it does not check the other's claims, but reads them off the head of its stream all the same
+    assert p.senders_with_claims == [False, True]
 
 
 # -- sitting out -----------------------------------------------------------------------------

@@ -65,18 +65,18 @@ def _commitment(sent, report, compression="none"):
     comp = codecs.make_compression(compression)
     layout = PartLayout.of(sent, comp, 512)
     claims = compute_claims(sent, layout, NONCE, comp)
-    return Commitment.parse(Commitment(NONCE, report, claims).to_gather(), len(layout)), layout
+    return Commitment.parse(Commitment.of_claims(NONCE, report, claims).to_gather()), layout, claims
 
 
 def test_binding_accepts_the_mean_of_the_pages_and_rejects_everything_else():
     ts = _tensors(1)
     report = _report_for(ts)
-    good, _ = _commitment(ts, report)
+    good, _, _ = _commitment(ts, report)
     assert binding_error(good) < 1e-6 and binding_verdict(good, weight=8, nonce=NONCE, compression="none") == ""
     noise = [0.05 * t.norm() / math.sqrt(t.numel()) * torch.randn_like(t) for t in ts]
     for name, sent in {"negated": [-t for t in ts], "zero": [t * 0 for t in ts], "rescaled": [1.5 * t for t in ts],
                        "noisy": [t + n for t, n in zip(ts, noise)], "replayed": _tensors(2)}.items():
-        bad, _ = _commitment(sent, report)
+        bad, _, _ = _commitment(sent, report)
         assert "does not match its committed pages" in binding_verdict(bad, weight=8, nonce=NONCE,
                                                                        compression="none"), name
     assert "committed 8 samples" in binding_verdict(good, weight=9, nonce=NONCE, compression="none")
@@ -88,30 +88,68 @@ def test_binding_accepts_the_mean_of_the_pages_and_rejects_everything_else():
 def test_binding_tolerates_wire_compression(compression):
     ts = [t * 1e-3 for t in _tensors(3)]  # gradient-sized values
     report = _report_for(ts)
-    sent, _ = _commitment(ts, report, compression)
+    sent, _, _ = _commitment(ts, report, compression)
     assert binding_error(sent) <= BINDING_RTOL[compression] / 3
-    flipped, _ = _commitment([-t for t in ts], report, compression)
+    flipped, _, _ = _commitment([-t for t in ts], report, compression)
     assert binding_error(flipped) > 1.0
 
 
 def test_a_part_must_match_its_claim():
     ts = _tensors(4)
-    c, layout = _commitment(ts, _report_for(ts))
+    c, layout, claims = _commitment(ts, _report_for(ts))
     for g, (i, start, length) in enumerate(layout.parts):
         piece = ts[i].reshape(-1)[start:start + length]
-        assert part_matches_claim(piece, c.claims[g], i, start, NONCE)
-        assert not part_matches_claim(-piece, c.claims[g], i, start, NONCE)
-        assert not part_matches_claim(piece * 1.01, c.claims[g], i, start, NONCE)
+        assert part_matches_claim(piece, claims[g], i, start, NONCE)
+        assert not part_matches_claim(-piece, claims[g], i, start, NONCE)
+        assert not part_matches_claim(piece * 1.01, claims[g], i, start, NONCE)
+
+
+def test_the_commitment_is_the_claims_trees_root_and_proves_any_share():
+    """The gather carries 32 + 8k bytes whatever the number of parts; every contiguous share of
+    parts is proven against it, and the proof of a share is refused for any other claims."""
+    from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree, proof_bytes
+
+    ts = _tensors(4)
+    c, layout, claims = _commitment(ts, _report_for(ts))
+    n = len(layout)
+    assert n > 8 and len(c.root) == 32 and c.total.shape == (WORK_SKETCH_K,)
+    assert np.allclose(c.total, claims.astype(np.float64).sum(axis=0), rtol=1e-12, atol=1e-12)
+    tree = ClaimsTree(claims)
+    for first, end in [(0, n), (0, 1), (n - 1, n), (1, n - 2), (3, 4), (2, 7)]:
+        proof = tree.range_proof(first, end)
+        assert len(proof) == proof_bytes(first, end, n, WORK_SKETCH_K)
+        assert np.array_equal(c.share_claims(proof, first=first, end=end, num_parts=n), claims[first:end])
+        with pytest.raises(ClaimsProofError):  # the same proof for another share
+            c.share_claims(proof, first=first + 1, end=end + 1, num_parts=n + 1)
+    # claims that differ anywhere (a negated part, the parts in another order, a part moved)
+    # hash to another root: a reducer refuses them, whichever share it holds
+    for other in (claims * np.where(np.arange(n) == 3, -1, 1)[:, None].astype("<f4"), claims[::-1].copy(),
+                  np.roll(claims, 1, axis=0)):
+        forged = ClaimsTree(other)
+        for first, end in [(0, n), (3, 5)]:
+            if np.array_equal(other[first:end], claims[first:end]) and (first, end) != (0, n):
+                continue
+            with pytest.raises(ClaimsProofError, match="committed root"):
+                c.share_claims(forged.range_proof(first, end), first=first, end=end, num_parts=n)
+    # a proof of the wrong size, or with non-finite values, names the problem
+    with pytest.raises(ClaimsProofError, match="bytes, expected"):
+        c.share_claims(tree.range_proof(0, 2)[:-1], first=0, end=2, num_parts=n)
+    bad = bytearray(tree.range_proof(0, 2))
+    bad[:4] = np.array([np.nan], "<f4").tobytes()
+    with pytest.raises(ClaimsProofError, match="non-finite"):
+        c.share_claims(bytes(bad), first=0, end=2, num_parts=n)
 
 
 def test_malformed_commitments_name_the_problem():
     ts = _tensors()
-    good, layout = _commitment(ts, _report_for(ts))
+    good, layout, _ = _commitment(ts, _report_for(ts))
     wire = good.to_gather()
-    with pytest.raises(WorkReportError, match="claims must be"):
-        Commitment.parse({**wire, "claims": b"\0" * 12}, len(layout))
+    with pytest.raises(WorkReportError, match="claims root must be 32 bytes"):
+        Commitment.parse({**wire, "root": b"\0" * 12})
+    with pytest.raises(WorkReportError, match="claims total must be"):
+        Commitment.parse({**wire, "total": b"\0" * 12})
     with pytest.raises(WorkReportError, match="non-finite"):
-        Commitment.parse({**wire, "claims": np.full(len(layout) * WORK_SKETCH_K, np.nan, "<f4").tobytes()}, len(layout))
+        Commitment.parse({**wire, "total": np.full(WORK_SKETCH_K, np.nan, "<f8").tobytes()})
     work = wire["work"]
     for broken, match in [({"e": 1}, "page list"), ({"e": 1, "p": [[1, 0, 0, 1.0, b""]]}, "samples >= 1"),
                           ({"e": 1, "p": [[1, 0, 1, float("nan"), b""]]}, "finite"),

@@ -65,6 +65,7 @@ class SwarmAverager(AveragerProcess):
         self._state_provider = state_provider
         self._assembly_claims: dict = {}  # member -> (its request, its decoded claim)
         self._layout_cache = None
+        self._own_claims = None  # this step's claims [num_parts, k] (float32), kept out of the gather
         super().__init__(averaged_tensors, dht, matchmaking_key=matchmaking_key(kwargs["prefix"]), start=start,
                          **kwargs)
 
@@ -75,6 +76,16 @@ class SwarmAverager(AveragerProcess):
 
     def current_state(self):
         return None if self._state_provider is None else self._state_provider()
+
+    def keep_private(self, user_gather):
+        """Our claims stay here; the group gets only their tree's root (contribution.py)."""
+        self._own_claims = None
+        if not isinstance(user_gather, dict) or group_rules.PRIVATE_KEY not in user_gather:
+            return user_gather
+        public = dict(user_gather)
+        private = public.pop(group_rules.PRIVATE_KEY)
+        self._own_claims = group_rules.private_claims(private)
+        return public
 
     # -- early group formation -------------------------------------------------------------
     def should_form_group(self, members, min_group_size: int) -> bool:
@@ -127,7 +138,9 @@ class SwarmAverager(AveragerProcess):
         return self.new_runner(
             self.runner_class, group, tensors, peer_fractions=peer_fractions, roles=plan.roles,
             weight=plan.used[plan.me], sender_weights=plan.sender_weights, sender_norms=plan.sender_norms,
-            max_norm=plan.max_norm, robust=plan.robust, sender_claims=plan.sender_claims,
+            max_norm=plan.max_norm, robust=plan.robust, sender_commitments=plan.sender_commitments,
+            senders_with_claims=plan.senders_with_claims,
+            own_claims=self._own_claims if plan.committed[plan.me] else None,
             claims_nonce=plan.claims_nonce, layout=layout, **extra)
 
     def _report(self, plan: group_rules.GroupPlan, group: Group, runner: CheckedRunner) -> dict:
@@ -136,13 +149,13 @@ class SwarmAverager(AveragerProcess):
         return group_rules.round_report(
             plan, round_id=group.round_id, rejected={senders[i] for i in reducer.rejected},
             too_large={senders[i] for i in reducer.too_large},
-            contradicted={senders[i] for i in reducer.contradicted}, **runner.outcome())
+            contradicted={senders[i] for i in reducer.contradicted}, unproven={senders[i] for i in runner.unproven},
+            **runner.outcome())
 
     def _check_commitments(self, plan: group_rules.GroupPlan, group: Group):
         if not isinstance(plan.mine.get("commit"), dict):
             return None, {}
-        return group_rules.check_commitments(group.users, plan.mine, plan.compatible, plan.claimed,
-                                             len(self._layout(group)))
+        return group_rules.check_commitments(group.users, plan.mine, plan.compatible, plan.claimed)
 
     def _layout(self, group: Group):
         from dtrain.swarm.averaging.contribution import PartLayout

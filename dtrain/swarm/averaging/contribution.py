@@ -2,20 +2,26 @@
 
 hivemind splits every averaged tensor into fixed *parts* (``part_size_bytes`` after
 compression), independent of the group, and hands consecutive parts to consecutive
-reducers. A peer that brings weight puts in its gather:
+reducers. A peer that brings weight computes, for every part, its *claim*: the range sketch
+of that part *as it goes on the wire* (after the lossy compression round trip), float32,
+parts in order. It puts in its gather:
 
 * ``work``: its work report (``dtrain.training.work``): per page, the sketch of that page's
   gradient under the epoch's public work nonce;
-* ``claims``: for every part, the range sketch of that part *as it goes on the wire*
-  (after the lossy compression round trip), float32, parts in order.
+* ``root`` and ``total``: the root of a Merkle sum tree over its claims (claims_tree.py):
+  a 32-byte hash and the claims' sum, 64 float64. The claims themselves stay with the peer.
 
 Every peer checks, from the gather alone, that the claims add up to the report's mean
-sketch (``binding_error`` within ``BINDING_RTOL`` for the wire compression) and that the
-weight claimed is at most the report's samples; a peer failing either is excluded from the
-round like a wrong model. Each reducer then checks every part it receives against the
-sender's claim for that part (``PART_RTOL``) and bans a sender whose part contradicts it.
+sketch (``binding_error`` of ``total`` within ``BINDING_RTOL`` for the wire compression) and
+that the weight claimed is at most the report's samples; a peer failing either is excluded
+from the round like a wrong model. At the head of its stream to each reducer, a sender
+sends the claims of that reducer's share with the tree nodes that prove them against its
+root; the reducer refuses a sender whose proof does not check out, then checks every part
+it receives against its claim (``PART_RTOL``) and bans a sender whose part contradicts it.
 So a negated, zeroed, rescaled, noisy or replayed contribution is caught either in the
-gather (claims that are honest about what is sent) or by the reducer (claims that lie).
+gather (claims that are honest about what is sent) or by a reducer (claims that lie).
+A peer's claims cost O(parts + reducers x log parts) bytes on the wire, not O(members x
+parts) through every member's gather.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from dtrain.swarm.averaging.claims_tree import HASH_BYTES, ClaimsTree, verify_range
 from dtrain.swarm.codecs import BLOCKWISE_ERROR_BOUND, canonical_compression
 from dtrain.training.fingerprint import range_sketch
 from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError
@@ -119,37 +126,53 @@ def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: s
 
 @dataclass
 class Commitment:
-    """A peer's parsed gather commitment."""
+    """A peer's gather commitment: its work report and the root of the tree of its claims."""
 
     nonce: str
     report: WorkReport
-    claims: np.ndarray  # [num_parts, k] float32
+    root: bytes  # the claims tree's root hash
+    total: np.ndarray  # [k] float64: the sum of the claims, as the tree adds them
 
     @classmethod
-    def parse(cls, data: object, num_parts: int, k: int = WORK_SKETCH_K, kind: Optional[type] = None) -> "Commitment":
+    def of_claims(cls, nonce: str, report, claims: np.ndarray) -> "Commitment":
+        """The commitment of a peer whose claims are ``claims`` [num_parts, k]."""
+        root = ClaimsTree(claims).root
+        return cls(nonce=nonce, report=report, root=root.digest, total=root.total)
+
+    @classmethod
+    def parse(cls, data: object, k: int = WORK_SKETCH_K, kind: Optional[type] = None) -> "Commitment":
         """Parse and bound a gather commitment. ``kind`` (WorkReport or TrajectoryReport): the
         report kind of this swarm's mode; a report of the other kind is refused, so a per-step
         validator never audits a trajectory, nor a DiLoCo one a page list."""
         if not isinstance(data, dict):
             raise WorkReportError("commitment must be a map")
-        nonce, claims = data.get("nonce"), data.get("claims")
+        nonce, root, total = data.get("nonce"), data.get("root"), data.get("total")
         if not isinstance(nonce, str):
             raise WorkReportError("commitment nonce must be a string")
-        if not isinstance(claims, bytes) or len(claims) != num_parts * k * 4:
-            raise WorkReportError(f"claims must be {num_parts} x {k} float32 values")
-        arr = np.frombuffer(claims, dtype="<f4").reshape(num_parts, k)
+        if not isinstance(root, bytes) or len(root) != HASH_BYTES:
+            raise WorkReportError(f"claims root must be {HASH_BYTES} bytes")
+        if not isinstance(total, bytes) or len(total) != k * 8:
+            raise WorkReportError(f"claims total must be {k} float64 values")
+        arr = np.frombuffer(total, dtype="<f8")
         if not np.isfinite(arr).all():
-            raise WorkReportError("claims hold non-finite values")
+            raise WorkReportError("claims total holds non-finite values")
         from dtrain.training.trajectory import parse_report
 
         report = parse_report(data.get("work"), k=k)
         if kind is not None and type(report) is not kind:
             raise WorkReportError(f"{'DiLoCo' if type(report) is not WorkReport else 'per-step'} work report "
                                   "in a swarm of the other averaging mode")
-        return cls(nonce=nonce, report=report, claims=arr)
+        return cls(nonce=nonce, report=report, root=root, total=arr)
 
     def to_gather(self) -> dict:
-        return {"nonce": self.nonce, "work": self.report.to_wire(), "claims": self.claims.astype("<f4").tobytes()}
+        return {"nonce": self.nonce, "work": self.report.to_wire(), "root": bytes(self.root),
+                "total": np.asarray(self.total, dtype="<f8").tobytes()}
+
+    def share_claims(self, data: bytes, *, first: int, end: int, num_parts: int) -> np.ndarray:
+        """The claims of parts ``first .. end - 1`` that a sender's proof ``data`` shows to be
+        under this commitment (claims_tree.verify_range; ClaimsProofError when it does not)."""
+        return verify_range(data, first=first, end=end, num_parts=num_parts, k=self.total.shape[0], root=self.root,
+                            total=self.total)
 
 
 # Why a peer of another epoch is refused (gather check; dtrain.swarm.averaging.group_rules).
@@ -158,8 +181,8 @@ OTHER_EPOCH = "work committed under another epoch's nonce"
 
 def binding_error(commitment: Commitment) -> float:
     """||sum of claims - report mean sketch|| / ||report mean sketch|| (inf if undefined)."""
-    folded = commitment.claims.astype(np.float64).sum(axis=0)
-    expected = np.asarray(commitment.report.contribution_sketch(k=commitment.claims.shape[1]), dtype=np.float64)
+    folded = np.asarray(commitment.total, dtype=np.float64)
+    expected = np.asarray(commitment.report.contribution_sketch(k=folded.shape[0]), dtype=np.float64)
     num = float(np.linalg.norm(folded - expected))
     den = float(np.linalg.norm(expected))
     if den <= ABS_FLOOR:

@@ -33,6 +33,10 @@ from dtrain.swarm.records import Outcome
 
 GATHER_VERSION = 1
 NODE, CLIENT, AUX = "node", "client", "aux"
+# What the caller hands its own averager process in the gather and the averager takes out
+# before matchmaking broadcasts it (SwarmAverager.keep_private): this peer's claims, of which
+# the group sees only their tree's root (contribution.py).
+PRIVATE_KEY = "private"
 
 
 def schema_hash(tensors: Sequence[Any]) -> str:
@@ -45,8 +49,10 @@ def schema_hash(tensors: Sequence[Any]) -> str:
 
 def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, norm: float, max_norm_ratio: float,
                 peer_caps: Optional[dict] = None, aggregation: str, compression: str, require_commitments: bool,
-                commitment: Optional[dict] = None, expect: Optional[list] = None) -> dict:
-    """What this peer tells its group about itself (each key is read by a rule below)."""
+                commitment: Optional[dict] = None, claims: Optional[bytes] = None,
+                expect: Optional[list] = None) -> dict:
+    """What this peer tells its group about itself (each key is read by a rule below).
+    ``claims`` (the bytes of the claims ``commitment`` commits to) stay in our averager."""
     gather = dict(v=GATHER_VERSION, fp=str(fingerprint), schema=schema, w=float(weight), cap=float(cap),
                   norm=norm, ratio=float(max_norm_ratio),
                   caps={str(k): float(v) for k, v in (peer_caps or {}).items()
@@ -54,11 +60,25 @@ def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, nor
                   agg=aggregation, comp=compression, req=bool(require_commitments))
     if commitment is not None:
         gather["commit"] = commitment
+    if claims is not None:
+        gather[PRIVATE_KEY] = {"claims": claims}
     if expect:
         # The leader forms the group as soon as all of these joined instead of waiting out its
         # matchmaking window (assembly.py); missing ones cost the window.
         gather[EXPECT_KEY] = expect
     return gather
+
+
+def private_claims(private: Any):
+    """Our claims [num_parts, k] (float32) from the private part of our gather, or None."""
+    import numpy as np
+
+    from dtrain.training.work import WORK_SKETCH_K
+
+    data = private.get("claims") if isinstance(private, dict) else None
+    if not isinstance(data, bytes) or not data or len(data) % (4 * WORK_SKETCH_K):
+        return None
+    return np.frombuffer(data, dtype="<f4").reshape(-1, WORK_SKETCH_K)
 
 
 def scale_check(users, compatible, claimed, ratio: float) -> tuple[list[float], set[int]]:
@@ -97,6 +117,10 @@ class GroupPlan:
     out_of_scale: set[int] = field(default_factory=set)
     unbound: dict[int, str] = field(default_factory=dict)  # index -> why its commitment was refused
     commitments: Optional[dict] = None  # index -> Commitment; None when this peer runs without them
+    # whether each member put a commitment in its gather: such a sender heads its stream to every
+    # reducer with its claims for that share (contribution.py), which every reducer must read
+    # first, whether or not it checks them
+    committed: list[bool] = field(default_factory=list)
 
     def exclude(self, i: int) -> None:
         """Like a wrong model: no share, and its values are never added."""
@@ -120,10 +144,16 @@ class GroupPlan:
         return max(self.sender_norms, default=0.0)
 
     @property
-    def sender_claims(self) -> Optional[list]:
+    def sender_commitments(self) -> Optional[list]:
+        """Per sender, its Commitment (None: not checked); None when this peer runs without them."""
         if self.commitments is None:
             return None
-        return [self.commitments[i].claims if i in self.commitments else None for i in self.senders]
+        return [self.commitments.get(i) for i in self.senders]
+
+    @property
+    def senders_with_claims(self) -> list[bool]:
+        """Per sender, whether its stream starts with its claims (it committed in its gather)."""
+        return [bool(self.committed[i]) if i < len(self.committed) else False for i in self.senders]
 
     @property
     def claims_nonce(self) -> str:
@@ -170,19 +200,19 @@ def plan_group(peer_ids: Sequence[str], me: int, users: Sequence[Any], roles: Se
             raise ValueError(f"peer {peer_ids[i]} announced an unknown averaging mode")
         plan_roles.append(role if ok else AUX)
     norms, out_of_scale = scale_check(users, compatible, claimed, float(mine.get("ratio", 0.0) or 0.0))
-    plan = GroupPlan(list(map(str, peer_ids)), me, mine, plan_roles, claimed, used, compatible, norms, out_of_scale)
+    plan = GroupPlan(list(map(str, peer_ids)), me, mine, plan_roles, claimed, used, compatible, norms, out_of_scale,
+                     committed=[isinstance(u, dict) and isinstance(u.get("commit"), dict) for u in users])
     for i in out_of_scale:
         plan.exclude(i)
     return plan
 
 
-def check_commitments(users, mine: dict, compatible, claimed, num_parts: int) -> tuple[Optional[dict], dict]:
+def check_commitments(users, mine: dict, compatible, claimed) -> tuple[Optional[dict], dict]:
     """Parse every peer's work commitment and decide which weighted peers are not bound by one.
 
     Returns ``(commitments, unbound)``: ``commitments`` maps the index of each peer whose
     commitment parsed to its Commitment (None overall when this peer runs without them),
-    ``unbound`` maps peer index to the reason its contribution is refused. ``num_parts``: how
-    many parts the averaged vector has (contribution.PartLayout).
+    ``unbound`` maps peer index to the reason its contribution is refused.
     """
     from dtrain.swarm.averaging.contribution import OTHER_EPOCH, Commitment, binding_verdict
     from dtrain.training.work import WorkReportError
@@ -206,7 +236,7 @@ def check_commitments(users, mine: dict, compatible, claimed, num_parts: int) ->
         reason = ""
         if data is not None:
             try:
-                parsed = Commitment.parse(data, num_parts, kind=kind)
+                parsed = Commitment.parse(data, kind=kind)
                 commitments[i] = parsed
             except WorkReportError as exc:
                 reason = f"malformed work commitment: {exc}"
@@ -260,13 +290,14 @@ def sit_out_report(plan: GroupPlan, round_id: str, reason: str) -> dict:
 NOT_IN_GROUP = "BAD_GROUP_ID"
 
 
-def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), banned=(),
-                 never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
+def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), unproven=(),
+                 banned=(), never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
                  bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
     ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
-    a part larger than announced / a part contradicting its commitment); ``banned``: senders
+    a part larger than announced / a part contradicting its commitment); ``unproven``: senders
+    whose claims for our share did not prove out against their committed root; ``banned``: senders
     banned for any reason; ``failed_reducers``: reducer -> why its share stayed local;
     ``sending_failures``: reducer -> why *we* could not send it our parts (our fault: we are
     FAIL, the reducer is not); ``never_started``: senders that never opened a stream to us.
@@ -296,6 +327,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
             outcome = Outcome.SUCCESS
         elif peer in contradicted:
             outcome, reason = Outcome.FAIL, "sent a part that contradicts its commitment"
+        elif peer in unproven:
+            outcome, reason = Outcome.FAIL, "sent claims that do not match its committed root"
         elif peer in too_large:
             outcome, reason = Outcome.FAIL, "sent a part larger than its announced norm"
         elif peer in rejected:

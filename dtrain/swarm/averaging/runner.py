@@ -1,8 +1,9 @@
 """The butterfly runner with dtrain's checks on what crosses the wire, both ways.
 
-* Claims. Each part a sender sends is checked, in the thread that decodes it, against the
-  sketch its sender committed for that part (contribution.py); a part that contradicts it
-  bans the sender.
+* Claims. A sender heads its stream with its claims for this reducer's share and the nodes
+  that prove them against the root it committed in the gather (claims_tree.py); a sender
+  whose proof fails is refused. Each part it then sends is checked, in the thread that
+  decodes it, against its claim (contribution.py); a part that contradicts it bans the sender.
 * Averaged parts. What a reducer returns (and what we reduce ourselves) is applied only if
   it is finite and no larger than the largest announced contribution (``NORM_SLACK``); else
   that reducer's share keeps our local values and the reducer is recorded FAIL.
@@ -21,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dtrain.swarm.averaging.claims_tree import ClaimsTree
 from dtrain.swarm.averaging.contribution import as_received
 from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned, part_check, within_norm
 from dtrain.swarm.hivemind_internals import ButterflyRunner, serialize_part
@@ -36,21 +38,28 @@ class CheckedRunner(ButterflyRunner):
     reply_linger_s = REPLY_LINGER_S
 
     def __init__(self, *, sender_weights: Sequence[float], sender_norms: Optional[Sequence[float]] = None,
-                 max_norm: Optional[float] = None, robust: bool = False, sender_claims: Optional[Sequence] = None,
-                 claims_nonce: str = "", layout=None, **kwargs):
+                 max_norm: Optional[float] = None, robust: bool = False,
+                 sender_commitments: Optional[Sequence] = None, senders_with_claims: Sequence[bool] = (),
+                 own_claims=None, claims_nonce: str = "", layout=None, **kwargs):
         # read by new_reducer, which the base class calls
         self.sender_weights = list(sender_weights)
         self.sender_norms = list(sender_norms) if sender_norms is not None else None
         self.max_norm = max_norm
         self.robust = robust
-        # per sender (in sender order): its claims array [num_parts, k], or None (not checked)
-        self.sender_claims = list(sender_claims) if sender_claims is not None else None
+        # per sender (in sender order): its Commitment, or None (not checked); None: no checks
+        self.sender_commitments = list(sender_commitments) if sender_commitments is not None else None
+        self.senders_with_claims = list(senders_with_claims)  # whose streams start with their claims
+        # our own claims [num_parts, k]: each reducer gets those of its share, with their proof
+        self.own_tree = ClaimsTree(own_claims) if own_claims is not None else None
+        self.share_claims: dict[int, object] = {}  # sender index -> its proven claims for our share
+        self.unproven: set[int] = set()  # senders whose claims did not check out against their root
         self.claims_nonce = claims_nonce
         self.layout = layout
         # (part index, compression) -> (averaged part, future of its serialised form)
         self._serialized_cache: dict[tuple[int, int], tuple[torch.Tensor, asyncio.Future]] = {}
         super().__init__(**kwargs)
         self._first_part = self.first_part
+        self._num_parts = len(layout) if layout is not None else None
 
     def as_received(self, part: torch.Tensor) -> torch.Tensor:
         # the one definition, shared with the claims (compute_claims), so they agree bit for bit
@@ -107,17 +116,47 @@ class CheckedRunner(ButterflyRunner):
             hit = cache[key] = (averaged, future)
         return asyncio.shield(hit[1])
 
+    # -- claims at the head of each stream --------------------------------------------------
+    def preamble_for(self, peer_index: int) -> Optional[bytes]:
+        if self.own_tree is None:
+            return None
+        return self.own_tree.range_proof(*self.share_of(peer_index))
+
+    def expects_preamble(self, sender_index: int) -> bool:
+        return sender_index < len(self.senders_with_claims) and self.senders_with_claims[sender_index]
+
+    def accept_preamble(self, sender_index: int, data: bytes) -> Optional[str]:
+        commitment = self._commitment_of(sender_index)
+        if commitment is None or self._num_parts is None:
+            return None  # not checked by this peer: read and set aside
+        from dtrain.swarm.averaging.claims_tree import ClaimsProofError
+
+        first = self._first_part
+        try:
+            self.share_claims[sender_index] = commitment.share_claims(
+                data, first=first, end=first + self.reducer.num_parts, num_parts=self._num_parts)
+        except ClaimsProofError as exc:
+            self.unproven.add(sender_index)
+            self.reducer.on_sender_failed(sender_index)
+            return f"its claims for our share do not match its committed root ({exc})"
+        return None
+
+    def _commitment_of(self, sender_index: int):
+        if self.sender_commitments is None:
+            return None
+        return self.sender_commitments[sender_index]
+
     def part_as_claimed(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> bool:
-        """True unless the sender committed a claim for this part and the part contradicts it."""
-        if self.sender_claims is None or self.layout is None:
+        """True unless the sender committed claims and this part contradicts its claim (or it
+        sent a part without first proving its claims for our share)."""
+        if self._commitment_of(sender_index) is None or self.layout is None:
             return True
-        claims = self.sender_claims[sender_index]
+        claims = self.share_claims.get(sender_index)
         if claims is None:
-            return True
+            return False
         from dtrain.swarm.averaging.contribution import part_matches_claim
 
-        g = self._first_part + part_index
-        param_index, start, length = self.layout.parts[g]
+        param_index, start, length = self.layout.parts[self._first_part + part_index]
         if tensor_part.numel() != length:
             return False
-        return part_matches_claim(tensor_part, claims[g], param_index, start, self.claims_nonce)
+        return part_matches_claim(tensor_part, claims[part_index], param_index, start, self.claims_nonce)

@@ -195,13 +195,14 @@ class GradientSwarm:
                     b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
         except TimeoutError as exc:
             return self._failed_record(str(exc), weight, tokens)
-        norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+        # float64 accumulation in one pass (a float64 copy and its square were three)
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors))
+        commitment, claims = self._commitment(tensors, work, work_nonce) if work_nonce is not None else (None, None)
         gather = make_gather(
             fingerprint=self.fingerprint, schema=self._schema, weight=weight, cap=cap, norm=norm,
             max_norm_ratio=cfg.max_norm_ratio, peer_caps=peer_caps, aggregation=cfg.aggregation,
             compression=cfg.compression, require_commitments=cfg.require_commitments,
-            commitment=self._commitment(tensors, work, work_nonce) if work_nonce is not None else None,
-            expect=expect_list(expected_peers) if expected_peers else None)
+            commitment=commitment, claims=claims, expect=expect_list(expected_peers) if expected_peers else None)
         started = time.time()
         t0 = time.monotonic()
         result, error = None, ""
@@ -289,7 +290,9 @@ class GradientSwarm:
             for b, t in zip(bufs, tensors):
                 t.copy_(b.to(device=t.device, dtype=t.dtype))
 
-    def _commitment(self, tensors, work, nonce: str) -> dict:
+    def _commitment(self, tensors, work, nonce: str) -> tuple[dict, bytes]:
+        """(the gather's commitment, the claims it commits to): the claims go to our averager,
+        which hands each reducer those of its share (contribution.py)."""
         from dtrain.swarm.averaging.contribution import Commitment, PartLayout, compute_claims
         from dtrain.training.work import WorkReport
 
@@ -298,7 +301,7 @@ class GradientSwarm:
             self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
         claims = compute_claims([t.detach().float().cpu() for t in tensors], self._layout, nonce, compression)
         report = work if work is not None else WorkReport(epoch=0)
-        return Commitment(nonce=nonce, report=report, claims=claims).to_gather()
+        return Commitment.of_claims(nonce, report, claims).to_gather(), claims.tobytes()
 
     def _reachable(self, peer_ids: Sequence[str], timeout_s: float = 3.0) -> dict[str, bool]:
         from dtrain.swarm.node import _ping_peer_ids

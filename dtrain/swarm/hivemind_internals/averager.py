@@ -188,6 +188,13 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
         """``(metadata, tensors)`` for peers catching up; None: hivemind's own (the averaged tensors)."""
         return None
 
+    def keep_private(self, user_gather: Any) -> Any:
+        """At the start of each step, in the averager process: the caller's decoded gather ->
+        what to broadcast to the group. The averager may keep parts of it for itself (dtrain's
+        claims: only their tree's root is broadcast); return ``user_gather`` itself to send it
+        as it is."""
+        return user_gather
+
     # -- the caller's side -------------------------------------------------------------------
     @contextlib.contextmanager
     def tensors_within(self, timeout_s: float):
@@ -210,7 +217,7 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
         """A leader starts sending parts only after every follower's BEGIN message is out.
 
         A follower's BEGIN and the leader's parts for that follower share one connection: sent
-        in parallel, the BEGIN (which carries every member's gathered data, claims included)
+        in parallel, the BEGIN (which carries every member's gathered data, commitments included)
         queues behind megabytes of parts, and the follower starts the butterfly seconds after
         the leader, while every other reducer waits for it. Followers never have BEGINs to
         send, so for them this returns at once. A dead follower's write fails at once;
@@ -255,9 +262,23 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         collect_garbage_of_last_round()
+        self._take_private_gather(step)
         undeclare_in_background(self._matchmaking.group_key_manager)
         self._leave_out_lapsed_followers(self._matchmaking)
         return await super()._step(step=step, future_for_init=future_for_init)
+
+    def _take_private_gather(self, step) -> None:
+        """Let :meth:`keep_private` take what is only for this process out of the step's gather
+        before matchmaking broadcasts it (hivemind serialises the gather in the caller's process)."""
+        try:
+            bandwidth, mode, user_bytes = self.serializer.loads(step.data_for_gather)
+            user = self.serializer.loads(user_bytes)
+        except Exception:  # not dtrain's layout: broadcast as it is
+            self.keep_private(None)
+            return
+        public = self.keep_private(user)
+        if public is not user:
+            step._data_for_gather = self.serializer.dumps([bandwidth, mode, self.serializer.dumps(public)])
 
     def followers_to_leave_out(self, deadlines: dict[str, float], now: float, request_timeout: float) -> set[str]:
         """Hook: as a leader forming its group at ``now``, the followers (peer id -> the expiration

@@ -28,7 +28,10 @@ class ButterflyRunner(AllReduceRunner):
     protocol needs bit-identical results); a failed reducer's share therefore falls back to our
     raw local part. Subclasses implement :meth:`new_reducer` and :meth:`serve_stream`, and may
     implement :meth:`check_averaged_part`, :meth:`inspect_part`, :meth:`messages_to_reducer`,
-    :meth:`serialized_average` and :meth:`on_reducer_failed`.
+    :meth:`serialized_average`, :meth:`on_reducer_failed` and the stream's *preamble*
+    (:meth:`preamble_for`, :meth:`expects_preamble`, :meth:`accept_preamble`): bytes a sender
+    puts ahead of its first part, in a message of its own, which the reducer reads before any
+    part (dtrain's claims for the reducer's share).
     """
 
     # After its last averaged part, keep a sender's stream open this long for the sender to hang
@@ -79,8 +82,20 @@ class ButterflyRunner(AllReduceRunner):
         return None
 
     def messages_to_reducer(self, peer_index: int, messages: AsyncIterator) -> AsyncIterator:
-        """The wire messages we send to a reducer (tests inject faults here)."""
+        """The wire messages of our parts to a reducer (tests inject faults here)."""
         return messages
+
+    def preamble_for(self, peer_index: int) -> Optional[bytes]:
+        """Bytes to send the reducer ``peer_index`` ahead of our first part (None: no preamble)."""
+        return None
+
+    def expects_preamble(self, sender_index: int) -> bool:
+        """Whether this sender's stream starts with a preamble (every peer must agree on it)."""
+        return False
+
+    def accept_preamble(self, sender_index: int, data: bytes) -> Optional[str]:
+        """Read a sender's preamble; a reason refuses the sender (it is then banned)."""
+        return None
 
     def serialized_average(self, part_index: int, averaged: torch.Tensor, compression_type) -> Any:
         """An awaitable of the averaged part's wire form."""
@@ -98,6 +113,12 @@ class ButterflyRunner(AllReduceRunner):
     @property
     def wire_compression(self):
         return self.tensor_part_container.compression
+
+    def share_of(self, peer_index: int) -> tuple[int, int]:
+        """The global part indices ``[first, end)`` that the reducer ``peer_index`` reduces."""
+        counts = self.tensor_part_container.num_parts_by_peer
+        first = sum(counts[:peer_index])
+        return first, first + counts[peer_index]
 
     @property
     def first_part(self) -> int:
@@ -152,6 +173,15 @@ class ButterflyRunner(AllReduceRunner):
             raise
 
     async def _generate_input_for_peer(self, peer_index: int):
+        preamble = self.preamble_for(peer_index)
+        if preamble is not None:
+            # its own message ahead of the parts, with what a first message must carry (the code
+            # and group id hivemind's reducer checks before it reads anything else)
+            msg = averaging_pb2.AveragingData(
+                code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id, weight=self.weight,
+                tensor_part=runtime_pb2.Tensor(buffer=preamble, size=[len(preamble)], dtype="uint8"))
+            self.bytes_sent += msg.ByteSize()
+            yield msg
         async for msg in self.messages_to_reducer(peer_index, super()._generate_input_for_peer(peer_index)):
             self.bytes_sent += msg.ByteSize()
             yield msg
@@ -178,6 +208,15 @@ class ButterflyRunner(AllReduceRunner):
             return part, msg.tensor_part.compression, self.inspect_part(sender_index, part_index, part)
 
         try:
+            if self.expects_preamble(sender_index):
+                try:
+                    head = await stream.__anext__()
+                except StopAsyncIteration:
+                    return  # hung up before anything: banned below, like any stream that ends short
+                reason = self.accept_preamble(sender_index, bytes(head.tensor_part.buffer))
+                if reason:
+                    logger.warning("swarm: refusing sender %s: %s", self.sender_peer_ids[sender_index], reason)
+                    return
             parts = amap_in_executor(decode, numbered(), max_prefetch=self.tensor_part_container.prefetch)
             async for averaged, part_compression in self.serve_stream(sender_index, parts):
                 served += 1

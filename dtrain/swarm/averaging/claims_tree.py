@@ -1,0 +1,151 @@
+"""A Merkle sum tree over a peer's per-part claims: commit to all of them in 32 + 8·k bytes.
+
+A peer's claims are one range sketch per part of the averaged vector (contribution.py). Two
+checks use them: the *binding* check (everyone, in the gather: the claims add up to the work
+report's sketch) and the *part* check (each reducer: every part it receives has the sketch
+claimed for it). Broadcasting every claim to every member made the gather O(members × parts):
+1.8 MB through the leader's link at 8 peers and 16 MiB, a quarter of a round's bytes at real
+model sizes. So the gather now holds only this tree's root: its hash and its sum. A sender
+hands each reducer, at the head of its stream, the claims of that reducer's share and the
+few nodes that prove them (:func:`range_proof`); the reducer checks them against the root
+(:func:`verify_range`). A peer's claims cost it O(parts + reducers · log parts) bytes in all.
+
+The tree: leaf i holds ``(sha256(b"dtrain-claim" || i || claim_i), claim_i as float64)``;
+an inner node holds ``(sha256(b"dtrain-node" || h_l || s_l || h_r || s_r), s_l + s_r)``; a level
+of odd length promotes its last node unchanged. The sums are float64 additions in a fixed
+order, so every peer recomputes the very same bits.
+
+Why the binding holds: a reducer recomputes every node above its leaves from their children,
+and each node's sum is hashed into its parent. The shares of all reducers cover every part,
+so every node is recomputed by someone from leaves that someone checked against the parts
+actually sent; any node whose sum is not the sum of its leaves changes a hash on the way to
+the root, which a collision-resistant hash rules out. The root's sum is therefore the sum of
+the claims of the parts sent, whichever reducer looks. (A reducer that colludes with the
+sender can skip the check of its own share; it reduces that share anyway, so it gains no
+power it did not have.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+HASH_BYTES = 32
+_LEAF, _NODE = b"dtrain-claim", b"dtrain-node"
+
+
+class ClaimsProofError(ValueError):
+    """Claims and proof nodes that do not hash to the committed root (or do not parse)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    digest: bytes
+    total: np.ndarray  # float64 [k]
+
+
+def _leaf(index: int, claim: np.ndarray) -> Node:
+    c = np.ascontiguousarray(claim, dtype="<f4")
+    return Node(hashlib.sha256(_LEAF + struct.pack("<Q", index) + c.tobytes()).digest(), c.astype("<f8"))
+
+
+def _parent(left: Node, right: Node) -> Node:
+    digest = hashlib.sha256(_NODE + left.digest + left.total.tobytes() + right.digest + right.total.tobytes()).digest()
+    return Node(digest, left.total + right.total)
+
+
+def _levels(claims: np.ndarray) -> list[list[Node]]:
+    level = [_leaf(i, c) for i, c in enumerate(claims)]
+    if not level:
+        raise ValueError("a claims tree needs at least one part")
+    levels = [level]
+    while len(level) > 1:
+        level = [_parent(level[j], level[j + 1]) if j + 1 < len(level) else level[j] for j in range(0, len(level), 2)]
+        levels.append(level)
+    return levels
+
+
+class ClaimsTree:
+    """The tree over one peer's claims [num_parts, k] (float32)."""
+
+    def __init__(self, claims: np.ndarray):
+        self.claims = np.ascontiguousarray(claims, dtype="<f4")
+        self.levels = _levels(self.claims)
+
+    @property
+    def root(self) -> Node:
+        return self.levels[-1][0]
+
+    @property
+    def num_parts(self) -> int:
+        return self.claims.shape[0]
+
+    def range_proof(self, first: int, end: int) -> bytes:
+        """The claims of parts ``first .. end - 1`` and the nodes that prove them, as bytes."""
+        if not 0 <= first < end <= self.num_parts:
+            raise ValueError(f"no parts {first}..{end - 1} in a tree of {self.num_parts}")
+        nodes = []
+        lo, hi = first, end
+        for level in self.levels[:-1]:
+            if lo % 2:
+                nodes.append(level[lo - 1])
+            if hi % 2 and hi < len(level):
+                nodes.append(level[hi])
+            lo, hi = lo // 2, (hi + 1) // 2
+        return self.claims[first:end].tobytes() + b"".join(n.digest + n.total.tobytes() for n in nodes)
+
+
+def proof_nodes(first: int, end: int, num_parts: int) -> int:
+    """How many nodes a range proof of parts ``first .. end - 1`` carries (its size is fixed)."""
+    count, lo, hi, n = 0, first, end, num_parts
+    while n > 1:
+        count += lo % 2
+        count += 1 if hi % 2 and hi < n else 0
+        lo, hi, n = lo // 2, (hi + 1) // 2, (n + 1) // 2
+    return count
+
+
+def proof_bytes(first: int, end: int, num_parts: int, k: int) -> int:
+    return (end - first) * k * 4 + proof_nodes(first, end, num_parts) * (HASH_BYTES + 8 * k)
+
+
+def verify_range(data: bytes, *, first: int, end: int, num_parts: int, k: int, root: bytes,
+                 total: np.ndarray) -> np.ndarray:
+    """The claims [end - first, k] of parts ``first .. end - 1`` that ``data`` proves against the
+    committed ``root`` hash and ``total`` sum; ClaimsProofError when it does not."""
+    if not 0 <= first < end <= num_parts:
+        raise ClaimsProofError(f"no parts {first}..{end - 1} among {num_parts}")
+    want = proof_bytes(first, end, num_parts, k)
+    if len(data) != want:
+        raise ClaimsProofError(f"claims proof has {len(data)} bytes, expected {want}")
+    head = (end - first) * k * 4
+    claims = np.frombuffer(data, dtype="<f4", count=(end - first) * k).reshape(end - first, k)
+    if not np.isfinite(claims).all():
+        raise ClaimsProofError("claims hold non-finite values")
+    node_size = HASH_BYTES + 8 * k
+    proof = []
+    for off in range(head, len(data), node_size):
+        total_i = np.frombuffer(data, dtype="<f8", count=k, offset=off + HASH_BYTES)
+        if not np.isfinite(total_i).all():
+            raise ClaimsProofError("proof node holds non-finite sums")
+        proof.append(Node(bytes(data[off:off + HASH_BYTES]), total_i))
+    nodes = iter(proof)
+    current = [_leaf(first + i, c) for i, c in enumerate(claims)]
+    lo, hi, n = first, end, num_parts
+    while n > 1:
+        if lo % 2:
+            current.insert(0, next(nodes))
+            lo -= 1
+        if hi % 2 and hi < n:
+            current.append(next(nodes))
+            hi += 1
+        current = [_parent(current[j], current[j + 1]) if j + 1 < len(current) else current[j]
+                   for j in range(0, len(current), 2)]
+        lo, hi, n = lo // 2, (hi + 1) // 2, (n + 1) // 2
+    top = current[0]
+    if top.digest != root or not np.array_equal(top.total, np.asarray(total, dtype="<f8")):
+        raise ClaimsProofError("claims do not hash to the committed root")
+    return claims
