@@ -170,6 +170,49 @@ def test_centered_clip_combines_the_weighted_senders():
     assert float((want - mean).norm()) > 1.0  # the clip, not the mean
 
 
+def _direct_centered_clip(parts, weights, iterations=20, tau_scale=1.0):
+    """The rule as written (Karimireddy et al.): the iteration on the vectors themselves, in float64."""
+    x = torch.stack([p.double() for p, w in zip(parts, weights) if w > 0])
+    w = torch.tensor([float(w) for w in weights if w > 0], dtype=torch.float64)
+    v = x.sort(dim=0).values[(x.shape[0] - 1) // 2].clone()
+    tau = tau_scale * float((x - v).norm(dim=1).median())
+    share = w / w.sum()
+    for _ in range(iterations):
+        scale = torch.clamp(tau / (x - v).norm(dim=1).clamp_min(1e-30), max=1.0)
+        step = ((share * scale)[:, None] * (x - v)).sum(0)
+        v = v + step
+        if float(step.norm()) <= 1e-6 * float(v.norm()):
+            break
+    return v
+
+
+@pytest.mark.parametrize("senders", [3, 4, 5, 8])
+def test_centered_clip_is_the_direct_iteration_computed_on_coefficients(senders):
+    """The reducer's CenteredClip runs on the Gram matrix of the senders' offsets; it must give
+    the direct iteration's result: honest clusters, one or two far-off senders, scaled and
+    negated ones, unequal weights, and every sender on one line (a rank-1 Gram)."""
+    gen = torch.Generator().manual_seed(senders)
+    m = 4096
+    g = torch.randn(m, generator=gen)
+    cases = {
+        "honest": [g + 0.3 * torch.randn(m, generator=gen) for _ in range(senders)],
+        "one far": [g + 0.3 * torch.randn(m, generator=gen) for _ in range(senders - 1)] + [-50 * g],
+        "two far": [g + 0.3 * torch.randn(m, generator=gen) for _ in range(senders - 2)] + [10 * g, 40 * torch.ones(m)],
+        "collinear": [(1 + 0.1 * i) * g for i in range(senders)],
+        "tiny": [1e-7 * (g + 0.3 * torch.randn(m, generator=gen)) for _ in range(senders)],
+    }
+    for name, parts in cases.items():
+        weights = [float(1 + (i % 3)) for i in range(senders)]
+        want = _direct_centered_clip(parts, weights)
+        got = centered_clip(parts, weights)
+        assert got.dtype == torch.float32 and got.shape == parts[0].shape
+        err = float((got.double() - want).norm() / want.norm())
+        assert err < 1e-5, (name, err)
+    # weight-0 senders are left out, as before
+    parts = [g + 0.3 * torch.randn(m, generator=gen) for _ in range(3)] + [1e6 * g]
+    torch.testing.assert_close(centered_clip(parts, [1.0, 1.0, 1.0, 0.0]), centered_clip(parts[:3], [1.0] * 3))
+
+
 def test_a_finished_reducer_refuses_later_parts():
     async def go():
         r = CheckedReducer(SHAPES, 1, sender_weights=[1.0])

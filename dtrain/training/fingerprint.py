@@ -134,18 +134,28 @@ def _cpu_hash(seed: int, start: int, n: int, k: int) -> tuple[torch.Tensor, torc
             if hit is not None:
                 _hash_cache.move_to_end(key)
                 return hit
+    # In place, with one scratch buffer: numpy's `h ^= h >> 30` allocates a temporary per
+    # operator, and the allocations and extra passes were half of this function's time (it is
+    # the largest CPU cost of a round's claims: each sender hashes its whole vector, each reducer
+    # its share). uint64 arithmetic wraps modulo 2**64 silently.
     h = np.arange(start, start + n, dtype=np.uint64)
+    tmp = np.empty_like(h)
     h += np.uint64(seed & _U64)  # the seed as its two's-complement uint64
-    h *= np.uint64(_GOLDEN & _U64)  # uint64 array arithmetic wraps modulo 2**64 silently
-    h ^= h >> np.uint64(30)
-    h *= np.uint64(_M1 & _U64)
-    h ^= h >> np.uint64(27)
-    h *= np.uint64(_M2 & _U64)
-    h ^= h >> np.uint64(31)
-    high = (h >> np.uint64(32)).astype(np.uint32)  # < 2**32: 32-bit division is much cheaper
+    h *= np.uint64(_GOLDEN & _U64)
+    for mult, shift in ((_M1, 30), (_M2, 27), (None, 31)):
+        np.right_shift(h, np.uint64(shift), out=tmp)
+        h ^= tmp
+        if mult is not None:
+            h *= np.uint64(mult & _U64)
+    np.right_shift(h, np.uint64(32), out=tmp)  # the high word
     # k a power of two (the default 64): the remainder is a mask
-    bucket = torch.from_numpy((high & np.uint32(k - 1) if k & (k - 1) == 0 else high % np.uint32(k)).astype(np.int64))
-    sign = torch.from_numpy((h & np.uint64(1)).astype(np.float64) * 2.0 - 1.0)  # odd: +1, even: -1 (exact)
+    if k & (k - 1) == 0:
+        tmp &= np.uint64(k - 1)
+    else:
+        tmp %= np.uint64(k)
+    bucket = torch.from_numpy(tmp.view(np.int64))  # < k: the same values as int64
+    h &= np.uint64(1)
+    sign = torch.from_numpy(h.view(np.int64)).to(torch.float64).mul_(2.0).sub_(1.0)  # odd: +1, even: -1 (exact)
     if cacheable:
         with _hash_lock:
             _hash_cache[key] = (bucket, sign)

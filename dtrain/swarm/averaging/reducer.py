@@ -50,7 +50,8 @@ def part_check(part: torch.Tensor) -> tuple[bool, float]:
     alone costs ~10x the float64 norm). Wider dtypes keep the explicit test. Called in the
     thread that deserialises a part, off the event loop.
     """
-    norm = float(part.double().norm())
+    # float64 accumulation without a float64 copy of the part
+    norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
     if part.element_size() <= 4:
         return math.isfinite(norm), norm
     return bool(torch.isfinite(part).all()), norm
@@ -97,10 +98,13 @@ class CheckedReducer:
             self.current_part_accumulated_from = 0
             self.current_part_future = asyncio.Future()
             self.num_current_senders = sum(self.current_part_index < failed for failed in self.sender_failed_after)
-            self.accumulator = torch.zeros(self.part_shapes[self.current_part_index])
+            # the weighted sum (CenteredClip keeps the parts themselves instead)
+            self.accumulator = None if self.robust else torch.zeros(self.part_shapes[self.current_part_index])
             self.denominator = 0.0
-            # unweighted running sum: used only if every contributor of a part has weight 0
-            # (e.g. only validators left), where the weighted mean would be 0/0
+            # unweighted sum of the weight-0 contributions: the part when every contributor has
+            # weight 0 (e.g. only validators left), where the weighted mean would be 0/0; once
+            # anyone brings weight it is never read, so only weight-0 parts go in (one pass less
+            # over every weighted part)
             self.plain_sum = torch.zeros(self.part_shapes[self.current_part_index])
         # with robust aggregation the senders' parts are kept until the last one arrives
         self.received_parts: list[tuple[torch.Tensor, float]] = []
@@ -144,7 +148,8 @@ class CheckedReducer:
             self.received_parts.append((tensor_part, w))
         else:
             self.accumulator.add_(tensor_part, alpha=w)
-        self.plain_sum.add_(tensor_part)
+        if w == 0:
+            self.plain_sum.add_(tensor_part)
         self.current_part_accumulated_from += 1
         self.denominator += w
         self.check_current_part_finished()
@@ -195,7 +200,7 @@ class CheckedReducer:
                 result = self.plain_sum.div_(self.current_part_accumulated_from)
             else:
                 # nobody contributed: NaN makes every receiver keep its local values for this part
-                result = torch.full_like(self.accumulator, float("nan"))
+                result = torch.full_like(self.plain_sum, float("nan"))
             self.current_part_future.set_result(result)
             self.reset_accumulators()
 
