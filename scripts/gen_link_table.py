@@ -10,6 +10,7 @@ and by the efficiency measured with benchmarks/allreduce_netns.py (MEASURED_EFFI
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -35,11 +36,12 @@ WIRE_BYTES = {"fp32": 4.0, "8-bit": 1.0 + 4 / BLOCK}
 # tests/test_swarm_settings.py checks the two agree)
 PART_SIZE_BYTES = 2**17
 CLAIM_BYTES = WORK_SKETCH_K * 4  # a work commitment's claim per part: WORK_SKETCH_K float32 values
+NODE_BYTES = 32 + WORK_SKETCH_K * 8  # a claims tree node: its hash and its sum (float64)
 # Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
-# commitments): the lower of benchmarks/allreduce_netns.py's two link-bound settings,
-# "dtrain" (the production settings), 4 peers on 100 Mbit and 8 peers on 25 Mbit (docs/swarm.md,
-# "Measured").
-MEASURED_EFFICIENCY = 0.67
+# commitments): the lower of benchmarks/allreduce_netns.py's two settings for "dtrain" (the
+# production settings), 4 peers on 100 Mbit (0.74) and 8 peers on 25 Mbit (0.78), each the
+# median of three runs (docs/swarm.md, "Measured").
+MEASURED_EFFICIENCY = 0.74
 
 
 def gpt2_params(n_layer: int, n_embd: int, n_positions: int, vocab: int = VOCAB) -> int:
@@ -71,10 +73,12 @@ def round_bytes(params: int, wire: str, n: int = GROUP) -> float:
 
 
 def commitment_bytes(params: int, wire: str, n: int = GROUP) -> float:
-    """Bytes of work commitments the group's leader uploads before the round: every follower's
-    BEGIN message carries every member's claims (one per part of its vector)."""
-    parts = params * WIRE_BYTES[wire] / PART_SIZE_BYTES
-    return (n - 1) * n * parts * CLAIM_BYTES
+    """Bytes of work commitments a peer sends in a round: its claims, each to the reducer of
+    its part, the tree nodes that prove each reducer's share (at most two per tree level),
+    and its claims tree's root in the gather (docs/protocol.md, "The claims tree")."""
+    parts = math.ceil(params * WIRE_BYTES[wire] / PART_SIZE_BYTES)
+    levels = max(1, math.ceil(math.log2(parts)))
+    return parts * CLAIM_BYTES + (n - 1) * 2 * levels * NODE_BYTES + NODE_BYTES
 
 
 def round_seconds(params: int, wire: str, mbit: float, efficiency: float = MEASURED_EFFICIENCY) -> float:
@@ -83,7 +87,7 @@ def round_seconds(params: int, wire: str, mbit: float, efficiency: float = MEASU
 
 def table() -> str:
     head = ("| model | parameters | wire | bytes per round, each way | round time, 100 Mbit/s | 1 Gbit/s "
-            f"| DiLoCo, H = {DEFAULT_H}: bytes per inner step | leader's commitment upload per round |")
+            f"| DiLoCo, H = {DEFAULT_H}: bytes per inner step | work commitment per peer per round |")
     lines = [head, "|" + "---|" * 8]
     for name in MODELS:
         p = PRESETS[name]
