@@ -365,6 +365,13 @@ def test_diloco_audit_checks_an_epoch_that_starts_from_carried_moments(bench_of,
     newcomer.mode.trainer.copy_parameters_from(validator.mode.trainer.params)
     verdict, = newcomer.mode.audit([honest], epoch=1, rng=random.Random(0))
     assert verdict.passed, verdict.problem
+    # one that saw this miner end epoch 0 without a step knows there was nothing to carry
+    other = bench_of("diloco")
+    other.mode.trainer.copy_parameters_from(validator.mode.trainer.params)
+    assert other.mode.audit([AuditRequest(uid=2, report=other.mode.empty_report(0))], epoch=0,
+                            rng=random.Random(0)) == [None]
+    verdict, = other.mode.audit([honest], epoch=1, rng=random.Random(0))
+    assert not verdict.passed and "committed none at the end of epoch 0" in verdict.problem
 
 
 # ---------------------------------------------------------------------------------- one real round

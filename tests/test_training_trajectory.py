@@ -378,6 +378,9 @@ def test_start_moments_must_be_fresh_or_the_ones_committed_at_the_end_of_the_epo
     # a validator without the previous epoch's commitment (it was not in that round, or its
     # memory is of an older epoch) cannot check a carried start, and says so
     assert V.start_moments_problem(b, None, epoch=EPOCH + 1) == ("", False)
+    # ... but one that saw the epoch before end without a step knows there was nothing to carry
+    problem, checked = V.start_moments_problem(b, (EPOCH, None), epoch=EPOCH + 1)
+    assert checked and "committed none at the end of epoch" in problem
     assert V.start_moments_problem(b, (EPOCH - 1, a.carry), epoch=EPOCH + 1) == ("", False)
 
 

@@ -192,6 +192,15 @@ class DiLoCo(Mode):
         verdicts = []
         for req in requests:
             report = req.report
+            seen = self._carries.setdefault(req.uid, {})
+            remembered = (epoch - 1, seen[epoch - 1]) if epoch - 1 in seen else None
+            if report is not None and report.epoch == epoch:
+                # What its next epoch may start from (checked then, whatever this audit finds now;
+                # None: it took no step, so nothing). Kept per epoch: a round that fails is audited
+                # again at the same epoch, and must not replace the commitment it is checked against.
+                seen[epoch] = report.carry
+                for old in [e for e in seen if e < epoch - 1]:
+                    del seen[old]
             # the averager refused a report of the other mode's kind in the gather (Commitment.parse)
             if report is None or not report.steps:
                 verdicts.append(None)
@@ -201,21 +210,11 @@ class DiLoCo(Mode):
             if not problem and not within_tolerance(sketch_distance(report.start, anchor)):
                 problem = "inner steps did not start from this epoch's shared parameters"
             if not problem:
-                seen = self._carries.get(req.uid, {})
-                remembered = (epoch - 1, seen[epoch - 1]) if epoch - 1 in seen else None
                 problem, checked = start_moments_problem(report, remembered, epoch=epoch)
                 if not checked:
                     log.info("uid %d starts epoch %d from carried moments this validator saw no commitment for "
                              "(not in the previous round): its start is checked by the validators that were",
                              req.uid, epoch)
-            if report.epoch == epoch:
-                # What its next epoch may start from (checked then, whatever this audit finds now).
-                # Kept per epoch: a round that fails is audited again at the same epoch, and must
-                # not replace the previous epoch's commitment it is checked against.
-                seen = self._carries.setdefault(req.uid, {})
-                seen[epoch] = report.carry
-                for old in [e for e in seen if e < epoch - 1]:
-                    del seen[old]
             audits, first = [], 0
             if not problem:
                 problem, audits, first = self.replay_stretch(req, epoch=epoch, rng=rng, nonce=nonce)

@@ -228,9 +228,11 @@ def start_moments_problem(report, remembered, *, epoch: int) -> tuple[str, bool]
         if any(snap0.exp_avg) or any(snap0.exp_avg_sq):
             return "starts from fresh moments (t0 = 0) but commits non-zero moments at step 0", True
         return "", True
-    if remembered is None or remembered[0] != epoch - 1 or remembered[1] is None:
+    if remembered is None or remembered[0] != epoch - 1:
         return "", False
     carry = remembered[1]
+    if carry is None:  # its report of the epoch before had no steps, so nothing to carry
+        return f"starts from carried moments, but committed none at the end of epoch {epoch - 1}", True
     if carry.step != report.t0:
         return (f"starts from moments of {report.t0} optimizer steps, but committed {carry.step} at the end of "
                 f"epoch {epoch - 1}"), True
