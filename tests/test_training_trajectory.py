@@ -295,14 +295,14 @@ def test_a_report_of_the_other_averaging_mode_is_refused_in_the_gather(model):
 
     trajectory, _ = _train(_trainer(model), steps=2)
     claims = np.zeros((3, WORK_SKETCH_K), dtype="<f4")
-    diloco = Commitment(nonce="n", report=trajectory, claims=claims).to_gather()
-    per_step = Commitment(nonce="n", report=WorkReport(epoch=EPOCH), claims=claims).to_gather()
-    assert Commitment.parse(diloco, 3, kind=TrajectoryReport).report == trajectory
-    assert Commitment.parse(per_step, 3, kind=WorkReport).report == WorkReport(epoch=EPOCH)
+    diloco = Commitment.of_claims("n", trajectory, claims).to_gather()
+    per_step = Commitment.of_claims("n", WorkReport(epoch=EPOCH), claims).to_gather()
+    assert Commitment.parse(diloco, kind=TrajectoryReport).report == trajectory
+    assert Commitment.parse(per_step, kind=WorkReport).report == WorkReport(epoch=EPOCH)
     with pytest.raises(WorkReportError, match="DiLoCo work report in a swarm of the other averaging mode"):
-        Commitment.parse(diloco, 3, kind=WorkReport)
+        Commitment.parse(diloco, kind=WorkReport)
     with pytest.raises(WorkReportError, match="per-step work report in a swarm of the other averaging mode"):
-        Commitment.parse(per_step, 3, kind=TrajectoryReport)
+        Commitment.parse(per_step, kind=TrajectoryReport)
 
 
 def test_a_trajectory_may_not_name_more_pages_in_all_than_a_report_may(model):

@@ -267,8 +267,9 @@ class Trainer:
     def reset_optimizer_state(self) -> None:
         """Forget the optimizer's moments and step counts (a fresh start, as at construction).
 
-        DiLoCo's inner loop restarts from zero moments at every outer step, so that a validator
-        can replay any segment of it from a committed snapshot (docs/protocol.md, "DiLoCo").
+        DiLoCo's inner loop restarts from zero moments when it cannot carry over the ones it
+        committed at the end of the previous epoch (docs/protocol.md, "Carried moments"), and a
+        validator's replay from a step-0 snapshot of fresh moments starts here too.
         """
         from collections import defaultdict
 

@@ -14,7 +14,8 @@ hivemind either. dtrain's rules, one module each:
   commitments, sitting out, the round report): pure functions;
 * ``runner`` / ``reducer``: the checks on every part sent and returned, and how a share is
   reduced (weighted mean or ``centered_clip``);
-* ``assembly``: when a leader may form its group early; ``contribution``: work commitments.
+* ``assembly``: when a leader may form its group early; ``contribution``: work commitments,
+  and ``claims_tree``: the Merkle sum tree a commitment broadcasts instead of its claims.
 
 Each round yields a :class:`~dtrain.swarm.records.RoundRecord` from this peer's view.
 """
