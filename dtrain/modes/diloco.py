@@ -68,9 +68,9 @@ class DiLoCo(Mode):
         self.inner = Trainer(copy.deepcopy(anchor.model), settings.local_trainer_config(device, fused))
         self.trajectory = TrajectoryLog(settings.run_id, settings.snapshot_every)
         self._step_pages: list[tuple[int, int]] = []  # (counter, page) of the inner step being accumulated
-        # (epoch + 1, epoch, steps) of the last contribution: start_epoch keeps the moments only
-        # for the epoch after it, with no step taken since (the state its carry commits to)
-        self._committed_end: tuple[int, int, int] | None = None
+        # (epoch, steps) of the last contribution: start_epoch keeps the moments only for the
+        # epoch after it, with no step taken since (the state its carry commits to)
+        self._committed_end: tuple[int, int] | None = None
         # a validator's memory: uid -> {epoch: carry} of the trajectories it audited in the last two
         # epochs, what the miner's next epoch may start from (verification.start_moments_problem)
         self._carries: dict[int, dict] = {}
@@ -88,7 +88,7 @@ class DiLoCo(Mode):
         taken after the commitment) starts from fresh moments, which need no history.
         """
         committed = self._committed_end
-        keep = committed is not None and committed == (epoch, self.trajectory.epoch, self.trajectory.steps_done)
+        keep = committed == (epoch - 1, self.trajectory.steps_done) and self.trajectory.epoch == epoch - 1
         t0 = self.trajectory.t0 + self.trajectory.steps_done if keep else 0
         self.inner.copy_parameters_from(self.trainer.params)
         if not keep:
@@ -160,7 +160,7 @@ class DiLoCo(Mode):
             # the moments the next epoch may start from, committed with this report
             _, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
             carry = traj.carry(exp_avg, exp_avg_sq)
-            self._committed_end = (traj.epoch + 1, traj.epoch, traj.steps_done)
+            self._committed_end = (traj.epoch, traj.steps_done)
         report = traj.report(carry)
         return Contribution(pseudo, float(min(samples, report.samples, weight_cap)), report)
 

@@ -277,12 +277,12 @@ class TrajectoryLog:
         self._snapshots.append(entry)
         return entry
 
-    def gradient_sketch(self, tensors: Sequence) -> tuple[float, ...]:
-        """The epoch's sketch of ``tensors``: a step's accumulated (sample-summed) gradient (take
-        it before the step), the parameters, or a snapshot's moments."""
+    def gradient_sketch(self, tensors: Sequence, nonce: str | None = None) -> tuple[float, ...]:
+        """The epoch's sketch of ``tensors`` (or under ``nonce``): a step's accumulated
+        (sample-summed) gradient (take it before the step), the parameters, or moments."""
         from dtrain.training.fingerprint import gradient_sketch
 
-        return tuple(gradient_sketch(list(tensors), self.nonce, k=self.k).tolist())
+        return tuple(gradient_sketch(list(tensors), self.nonce if nonce is None else nonce, k=self.k).tolist())
 
     def record_step(self, *, counters: Sequence[int], pages: Sequence[int], samples: int, loss: float,
                     params: Sequence, grad_sketch: Sequence[float]) -> InnerStepWork:
@@ -298,12 +298,9 @@ class TrajectoryLog:
     def carry(self, exp_avg: Sequence, exp_avg_sq: Sequence) -> SnapshotCommit:
         """The commitment to the moments now, after the last step, under the next epoch's nonce:
         what the next epoch's step-0 snapshot must sketch to when the moments are kept."""
-        from dtrain.training.fingerprint import gradient_sketch
-
         nxt = work_nonce(self.run_id, self.epoch + 1)
-        return SnapshotCommit(step=self.t0 + self.steps_done,
-                              exp_avg=tuple(gradient_sketch(list(exp_avg), nxt, k=self.k).tolist()),
-                              exp_avg_sq=tuple(gradient_sketch(list(exp_avg_sq), nxt, k=self.k).tolist()))
+        return SnapshotCommit(step=self.t0 + self.steps_done, exp_avg=self.gradient_sketch(exp_avg, nxt),
+                              exp_avg_sq=self.gradient_sketch(exp_avg_sq, nxt))
 
     def report(self, carry: SnapshotCommit | None = None) -> TrajectoryReport:
         """The trajectory so far; ``carry`` (from :meth:`carry`) is required once a step was taken."""

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dtrain.swarm.averaging.claims_tree import ClaimsTree
+from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree
 from dtrain.swarm.averaging.contribution import as_received
 from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned, part_check, within_norm
 from dtrain.swarm.hivemind_internals import ButterflyRunner, serialize_part
@@ -129,8 +129,6 @@ class CheckedRunner(ButterflyRunner):
         commitment = self._commitment_of(sender_index)
         if commitment is None or self._num_parts is None:
             return None  # not checked by this peer: read and set aside
-        from dtrain.swarm.averaging.claims_tree import ClaimsProofError
-
         first = self._first_part
         try:
             self.share_claims[sender_index] = commitment.share_claims(
