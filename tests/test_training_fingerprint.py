@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
-from dtrain.training.fingerprint import Fingerprint, Tolerance, compare_fingerprints, gradient_sketch
+from dtrain.training.fingerprint import Fingerprint, Tolerance, compare_fingerprints, gradient_sketch, range_sketch
 from dtrain.training.models import create_model
 from dtrain.training.trainer import (
     Trainer,
@@ -135,28 +135,45 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def test_sketch_matches_the_documented_projection():
-    nonce, k = "proto", 64
-    g0 = torch.zeros(3, 5)
-    g1 = torch.zeros(70_000)
-    g0[1, 2] = 1.0  # flat index 7 of parameter 0
-    g1[66_000] = 2.0
-    g1[5] = -0.5
-    sketch = gradient_sketch([g0, None, g1], nonce, k=k, chunk=1 << 16)  # g1 spans two chunks
+def _reference_sketch(entries, nonce: str, k: int) -> list[float]:
+    """The documented projection (docs/training.md, "Gradient fingerprint") in plain Python
+    integers, for ``entries`` = (parameter index, flat element index, value)."""
 
     def seed(i):
         h = hashlib.sha256()
-        for part in (b"dtrain/fingerprint/v1", nonce.encode(), str(i).encode()):
+        for part in (b"dtrain/fingerprint/v2", nonce.encode(), str(i).encode()):
             h.update(len(part).to_bytes(8, "big"))
             h.update(part)
         return int.from_bytes(h.digest()[:8], "big")  # unsigned view of the same 64 bits
 
     want = [0.0] * k
-    for i, n, v in ((0, 7, 1.0), (2, 66_000, 2.0), (2, 5, -0.5)):
-        h = _mix64((seed(i) + n) % (1 << 64))
-        want[(h >> 32) % k] += v if h & 1 else -v
-    assert sketch.tolist() == want
-    assert sketch.abs().sum() == 3.5
+    for i, n, v in entries:
+        row, lane = divmod(n, 64)
+        signs = _mix64((seed(i) + 2 * row) % (1 << 64))
+        offset = (_mix64((seed(i) + 2 * row + 1) % (1 << 64)) >> 32) % k
+        want[(offset + lane) % k] += v if (signs >> lane) & 1 else -v
+    return want
+
+
+def test_sketch_matches_the_documented_projection():
+    nonce = "proto"
+    g0 = torch.zeros(3, 5)
+    g1 = torch.zeros(70_000)
+    g0[1, 2] = 1.0  # flat index 7 of parameter 0
+    g1[66_000] = 2.0
+    g1[5] = -0.5
+    g1[63] = 0.25  # lane 63: the sign word's top bit
+    g1[64] = 8.0  # the next row
+    entries = ((0, 7, 1.0), (2, 66_000, 2.0), (2, 5, -0.5), (2, 63, 0.25), (2, 64, 8.0))
+    for k in (64, 7, 256):
+        sketch = gradient_sketch([g0, None, g1], nonce, k=k, chunk=1 << 16)  # g1 spans two chunks
+        assert sketch.tolist() == _reference_sketch(entries, nonce, k)
+        assert sketch.abs().sum() == 11.75
+    # any range, aligned to the rows or not, is the same projection of its elements
+    values = torch.tensor([1.0, -2.0, 4.0, 0.5, 16.0])
+    for start in (0, 62, 64, 1000, 2**40 + 3):
+        got = range_sketch(values, 3, start, nonce, k=64)
+        assert got.tolist() == _reference_sketch([(3, start + j, float(v)) for j, v in enumerate(values)], nonce, 64)
 
 
 def test_sketch_estimates_the_gradient_norm(setup):

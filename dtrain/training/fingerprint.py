@@ -4,43 +4,54 @@ A miner answering a Train challenge reports, for each micro-batch, its loss and 
 ``k``-dimensional sketch of the flattened gradient. The validator recomputes the
 same micro-batch on its own copy of the model with the same code and compares.
 
-The sketch is a sparse random projection (CountSketch): parameter ``i`` (in
-``named_parameters`` order), element ``n`` of its flattened gradient gets the
-64-bit hash ``h = mix64(seed_i + n)`` with
-``seed_i = SHA256(len-prefixed "dtrain/fingerprint/v1", nonce, str(i))[:8]`` and
-mix64 the splitmix64 finaliser (all arithmetic modulo 2**64). Then
+The sketch is a sparse random projection (a CountSketch laid out in rows). Parameter
+``i`` (in ``named_parameters`` order) has the seed
+``seed_i = SHA256(len-prefixed "dtrain/fingerprint/v2", nonce, str(i))[:8]``; element
+``n`` of its flattened gradient lies in row ``r = n // 64`` at lane ``j = n mod 64``.
+Each row has two 64-bit hashes (mix64 = the splitmix64 finaliser, arithmetic modulo
+2**64):
 
-    bucket = (h >> 32) mod k,   sign = +1 if h is odd else -1
-    sketch[bucket] += sign * g_i[n]
+    signs_r  = mix64(seed_i + 2r)             bit j: the sign of lane j (1: +1, 0: -1)
+    offset_r = (mix64(seed_i + 2r + 1) >> 32) mod k
+    sketch[(offset_r + j) mod k] += sign * g_i[n]
 
-so E[<S a, S b>] = <a, b>: cosines and norms of sketches estimate those of the
-gradients. Integer hashing gives the same projection on every device (CPU
-validator, GPU miner); it costs O(#params) and is computed in chunks, so the only
-extra memory is a few chunk-sized vectors. The sketch is of the *sum* over the
-micro-batch's samples of per-sample mean-token-loss gradients (what the trainer
-accumulates).
+Every element still has its own random sign and a bucket that is uniform and independent
+of any other row's, so E[<S a, S b>] = <a, b>: cosines and norms of sketches estimate those
+of the gradients, with a CountSketch's variance (two lanes of one row never share a bucket
+when k >= 64). What the rows buy is speed: two hashes per 64 elements instead of one per
+element, and the additions go row by row into a k x 64 table (one vectorised row add per
+row) that is folded into the k buckets at the end, instead of a scatter of single values.
+That made a sketch about 5x cheaper on CPU (docs/swarm.md, "CPU per byte"): every sender
+sketches its whole contribution each round, every reducer each part it receives, and a
+DiLoCo miner its parameters at each inner step. Integer hashing gives the same projection
+on every device (CPU validator, GPU miner); the order of the float64 additions differs
+between devices (GPU adds atomically), which the comparisons' tolerances absorb. It costs
+O(#params) and is computed in chunks, so the only extra memory is a few chunk-sized
+vectors. The sketch is of the *sum* over the micro-batch's samples of per-sample
+mean-token-loss gradients (what the trainer accumulates).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
-FINGERPRINT_VERSION = "dtrain/fingerprint/v1"
+FINGERPRINT_VERSION = "dtrain/fingerprint/v2"
 DEFAULT_K = 64
 CHUNK = 1 << 20
+LANES = 64  # elements per row: one 64-bit word holds their signs
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
+_U64 = (1 << 64) - 1
 
 
 def _nonce_bytes(nonce: str | bytes | int) -> bytes:
@@ -69,6 +80,104 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _lshr(x, 31)
 
 
+def _np_mix64(h: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a uint64 array, in place (numpy's uint64 wraps modulo 2**64
+    and shifts logically, so no masks; one scratch buffer instead of a temporary per operator)."""
+    tmp = np.empty_like(h)
+    h *= np.uint64(_GOLDEN & _U64)
+    for mult, shift in ((_M1, 30), (_M2, 27), (None, 31)):
+        np.right_shift(h, np.uint64(shift), out=tmp)
+        h ^= tmp
+        if mult is not None:
+            h *= np.uint64(mult & _U64)
+    return h
+
+
+@functools.lru_cache(maxsize=16)
+def _fold_index(k: int, device: str) -> torch.Tensor:
+    """Bucket of table cell (offset o, lane j), row-major: (o + j) mod k."""
+    cells = (torch.arange(k)[:, None] + torch.arange(LANES)[None, :]) % k
+    return cells.reshape(-1).to(device)
+
+
+def _row_hashes_cpu(seed: int, first_row: int, rows: int, k: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(negative uint8 [rows * 64]: 1 where the sign is -1, offsets int64 [rows]) of rows
+    ``first_row ...``, with numpy's native uint64 arithmetic."""
+    base = np.arange(first_row, first_row + rows, dtype=np.uint64)
+    base *= np.uint64(2)
+    base += np.uint64(seed & _U64)  # the seed as its two's-complement uint64
+    signs = _np_mix64(base.copy())
+    base += np.uint64(1)
+    offsets = _np_mix64(base)
+    offsets >>= np.uint64(32)
+    offsets %= np.uint64(k)
+    # bit j of a row's word is lane j: little-endian bytes, each read from its lowest bit
+    bits = np.unpackbits(signs.astype("<u8", copy=False).view(np.uint8), bitorder="little")
+    bits ^= np.uint8(1)
+    return bits, torch.from_numpy(offsets.view(np.int64))
+
+
+def _row_hashes_torch(seed: int, first_row: int, rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same hashes with torch's int64 (any device)."""
+    base = torch.arange(first_row, first_row + rows, device=device, dtype=torch.int64) * 2 + seed
+    signs = _mix64(base)
+    offsets = _lshr(_mix64(base + 1), 32) % k
+    lanes = torch.arange(LANES, device=device, dtype=torch.int64)
+    bits = ((signs[:, None] >> lanes[None, :]) & 1).reshape(-1).bool()  # bit 63 too: >> keeps it in bit 0
+    return bits, offsets
+
+
+def _signed_table_cpu(values: torch.Tensor, negative: np.ndarray, pad: int, rows: int) -> torch.Tensor:
+    """float64 [rows * 64]: each lane's value with its sign applied, zeros outside the range.
+
+    The sign goes on by flipping the IEEE sign bit (an integer XOR: exact, and far cheaper than
+    a multiply by +-1.0 after widening); float32 values, the common case, are flipped before
+    they are widened, so the mask is 4 bytes a lane instead of 8."""
+    n = values.numel()
+    flat = values.detach().reshape(-1)
+    if flat.dtype == torch.float32 and pad == 0 and n == rows * LANES:
+        mask = negative.astype(np.int32)
+        mask <<= 31
+        np.bitwise_xor(flat.numpy().view(np.int32), mask, out=mask)
+        return torch.from_numpy(mask.view(np.float32).astype(np.float64))
+    table = np.zeros(rows * LANES, dtype=np.float64)
+    table[pad:pad + n] = flat.to(torch.float64).numpy()
+    mask = negative.astype(np.int64)
+    mask <<= 63
+    table.view(np.int64)[:] ^= mask
+    return torch.from_numpy(table)
+
+
+def _signed_table_torch(values: torch.Tensor, seed: int, first_row: int, rows: int, pad: int,
+                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signed table and the row offsets with torch ops alone: what a GPU runs."""
+    dev = values.device
+    positive, offsets = _row_hashes_torch(seed, first_row, rows, k, dev)
+    table = torch.zeros(rows * LANES, dtype=torch.float64, device=dev)
+    table[pad:pad + values.numel()] = values.detach().reshape(-1)
+    return torch.where(positive, table, -table), offsets
+
+
+def _add_range(out: torch.Tensor, values: torch.Tensor, seed: int, start: int) -> None:
+    """Add the sketch of ``values`` = elements ``start ...`` of one parameter into ``out``."""
+    n = values.numel()
+    if n == 0:
+        return
+    k = out.numel()
+    dev = values.device
+    first_row = start // LANES
+    rows = (start + n + LANES - 1) // LANES - first_row
+    pad = start - first_row * LANES
+    if dev.type == "cpu":
+        negative, offsets = _row_hashes_cpu(seed, first_row, rows, k)
+        table = _signed_table_cpu(values, negative, pad, rows)
+    else:
+        table, offsets = _signed_table_torch(values, seed, first_row, rows, pad, k)
+    by_offset = torch.zeros(k, LANES, dtype=torch.float64, device=dev)
+    by_offset.index_add_(0, offsets, table.view(rows, LANES))
+    out.index_add_(0, _fold_index(k, str(dev)), by_offset.reshape(-1))
+
+
 def gradient_sketch(
     grads: Sequence[torch.Tensor | None],
     nonce: str | bytes | int,
@@ -95,73 +204,6 @@ def gradient_sketch(
     if out is None:
         return torch.zeros(k, dtype=torch.float64)
     return out.cpu()
-
-
-def _add_range(out: torch.Tensor, values: torch.Tensor, seed: int, start: int) -> None:
-    if values.device.type == "cpu":
-        # Same buckets and signs as the torch path below, computed in numpy's native uint64
-        # (no masking for logical shifts) and cached for part-sized ranges; multiplying by an
-        # exact +-1.0 equals the where(sign, v, -v) below bit for bit. Each element is still
-        # added with index_add_, in order, so the sums are the same to the last bit.
-        bucket, sign = _cpu_hash(seed, start, values.numel(), out.numel())
-        out.index_add_(0, bucket, torch.mul(values, sign))
-        return
-    dev = values.device
-    part = values.double()
-    h = _mix64(torch.arange(start, start + part.numel(), device=dev, dtype=torch.int64) + seed)
-    bucket = _lshr(h, 32) % out.numel()
-    out.index_add_(0, bucket, torch.where((h & 1).bool(), part, -part))
-
-
-# A reducer checks the same range (same parameter, start, length and nonce) of every sender's
-# part against its claim, so the hash of a range is kept for a few recent ranges: it is then
-# computed once per part, not once per sender. Only part-sized ranges are kept (a 32 768-value
-# part costs 512 KB here), and only a handful, so memory stays small whatever the model size.
-_HASH_CACHE_MAX_VALUES = 1 << 18
-_HASH_CACHE_ENTRIES = 16
-_hash_cache: "OrderedDict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
-_hash_lock = threading.Lock()
-_U64 = (1 << 64) - 1
-
-
-def _cpu_hash(seed: int, start: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bucket int64, sign float64 of +-1) of elements ``start .. start + n`` under ``seed``."""
-    key = (seed, start, n, k)
-    cacheable = n <= _HASH_CACHE_MAX_VALUES
-    if cacheable:
-        with _hash_lock:
-            hit = _hash_cache.get(key)
-            if hit is not None:
-                _hash_cache.move_to_end(key)
-                return hit
-    # In place, with one scratch buffer: numpy's `h ^= h >> 30` allocates a temporary per
-    # operator, and the allocations and extra passes were half of this function's time (it is
-    # the largest CPU cost of a round's claims: each sender hashes its whole vector, each reducer
-    # its share). uint64 arithmetic wraps modulo 2**64 silently.
-    h = np.arange(start, start + n, dtype=np.uint64)
-    tmp = np.empty_like(h)
-    h += np.uint64(seed & _U64)  # the seed as its two's-complement uint64
-    h *= np.uint64(_GOLDEN & _U64)
-    for mult, shift in ((_M1, 30), (_M2, 27), (None, 31)):
-        np.right_shift(h, np.uint64(shift), out=tmp)
-        h ^= tmp
-        if mult is not None:
-            h *= np.uint64(mult & _U64)
-    np.right_shift(h, np.uint64(32), out=tmp)  # the high word
-    # k a power of two (the default 64): the remainder is a mask
-    if k & (k - 1) == 0:
-        tmp &= np.uint64(k - 1)
-    else:
-        tmp %= np.uint64(k)
-    bucket = torch.from_numpy(tmp.view(np.int64))  # < k: the same values as int64
-    h &= np.uint64(1)
-    sign = torch.from_numpy(h.view(np.int64)).to(torch.float64).mul_(2.0).sub_(1.0)  # odd: +1, even: -1 (exact)
-    if cacheable:
-        with _hash_lock:
-            _hash_cache[key] = (bucket, sign)
-            while len(_hash_cache) > _HASH_CACHE_ENTRIES:
-                _hash_cache.popitem(last=False)
-    return bucket, sign
 
 
 def range_sketch(
