@@ -45,6 +45,28 @@ def test_checks():
     assert not within_norm(10.0 * NORM_SLACK + 1e-3, 10.0)
 
 
+def test_part_check_is_exact_where_float32_squares_overflow():
+    # finite float32 values whose squares overflow float32 take the float64 pass: still finite,
+    # with the right norm (the float32 dot alone would call them infinite)
+    big = torch.tensor([3e20, 4e20, 0.0])
+    finite, norm = part_check(big)
+    assert finite and math.isclose(norm, 5e20, rel_tol=1e-6)
+    huge = torch.full((10,), 3.0e38)
+    finite, norm = part_check(huge)
+    assert finite and math.isclose(norm, 3.0e38 * math.sqrt(10), rel_tol=1e-6)
+    # and the float32 pass agrees with float64 on ordinary parts, views and other shapes
+    x = torch.randn(3, 40_000, generator=torch.Generator().manual_seed(1))
+    for t in (x, x[1], x[:, ::7], x.T):
+        finite, norm = part_check(t)
+        assert finite and math.isclose(norm, float(t.double().norm()), rel_tol=1e-5)
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[2, 39_999] = bad
+        assert not part_check(y)[0]
+    assert not part_check(torch.tensor([1.0, math.nan], dtype=torch.float16))[0]
+    assert part_check(torch.zeros(0)) == (True, 0.0)
+
+
 def test_weights_come_from_the_gather_not_the_wire():
     async def go():
         r = CheckedReducer(SHAPES, 3, sender_weights=[1.0, 3.0, 0.0])

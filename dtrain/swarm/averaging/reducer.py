@@ -43,18 +43,26 @@ def within_norm(norm: float, bound: float) -> bool:
 
 
 def part_check(part: torch.Tensor) -> tuple[bool, float]:
-    """``(all values finite, L2 norm in float64)`` of a part, in one pass over it.
+    """``(all values finite, L2 norm)`` of a part (or any tensor), in one pass over it.
 
-    For float32 (or narrower) values the float64 sum of squares cannot overflow, so the norm
-    is finite exactly when every value is: one pass answers both checks (torch.isfinite(...).all()
-    alone costs ~10x the float64 norm). Wider dtypes keep the explicit test. Called in the
-    thread that deserialises a part, off the event loop.
+    The sum of squares is taken in the part's own float32 first (BLAS dot: about 4x cheaper
+    than a float64 norm, which was a large share of a reducer's CPU per byte). A finite float32
+    sum means every value is finite and the norm is good to ~1e-6 relative, far inside
+    ``NORM_SLACK``; a NaN, an Inf, or a sum past float32's range (values above ~1e19) falls back
+    to the float64 pass, where the sum of squares of float32 values cannot overflow, so the norm
+    is finite exactly when every value is. Wider dtypes keep the explicit test. Called in the
+    thread that deserialises a part, off the event loop, and by run_round on the contribution.
     """
+    flat = part.detach().reshape(-1)
+    if flat.dtype == torch.float32:
+        squares = float(torch.dot(flat, flat))
+        if math.isfinite(squares):
+            return True, math.sqrt(squares)
     # float64 accumulation without a float64 copy of the part
-    norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
+    norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
     if part.element_size() <= 4:
         return math.isfinite(norm), norm
-    return bool(torch.isfinite(part).all()), norm
+    return bool(torch.isfinite(flat).all()), norm
 
 
 class SenderBanned(Exception):
