@@ -235,6 +235,22 @@ def test_centered_clip_is_the_direct_iteration_computed_on_coefficients(senders)
     torch.testing.assert_close(centered_clip(parts, [1.0, 1.0, 1.0, 0.0]), centered_clip(parts[:3], [1.0] * 3))
 
 
+@pytest.mark.parametrize("n", list(range(1, 13)) + [16])
+def test_the_pruned_median_network_is_the_lower_median(n):
+    from dtrain.swarm.averaging.centered_clip import _median_network, _sorting_network, lower_median
+
+    gen = torch.Generator().manual_seed(n)
+    rows = [torch.randn(513, generator=gen) for _ in range(n)]
+    rows[0][:5] = rows[-1][:5]  # ties
+    want = torch.stack(rows).sort(dim=0).values[(n - 1) // 2]
+    got = lower_median(rows)
+    assert torch.equal(got, want)
+    assert all(got is not r for r in rows)  # a new tensor: the caller adds to it in place
+    _, kept = _median_network(n)
+    _, full_network = _sorting_network(n)
+    assert sum(lo + hi for _, _, lo, hi in kept) <= 2 * len(full_network)
+
+
 def test_a_finished_reducer_refuses_later_parts():
     async def go():
         r = CheckedReducer(SHAPES, 1, sender_weights=[1.0])
