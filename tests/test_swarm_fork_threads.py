@@ -1,4 +1,5 @@
-"""The averager's forked process may run torch ops in several threads at once from its start.
+"""The averager's forked process may run torch ops in several threads at once from its start,
+and runs them with the averager's own torch thread count (AVERAGER_TORCH_THREADS).
 
 hivemind forks the averager. When the parent has called ``torch.set_num_threads`` (the test
 suite does at collection, an operator's script may), each new thread's first torch op in the
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import os, sys, threading
     import torch
     from hivemind.compression import CompressionInfo
-    from dtrain.swarm.averaging.averager import reset_torch_threads_after_fork
+    from dtrain.swarm.averaging.averager import AVERAGER_TORCH_THREADS, reset_torch_threads_after_fork
     from dtrain.swarm.codecs import make_compression
 
     torch.set_num_threads(2)
@@ -34,6 +35,9 @@ SCRIPT = textwrap.dedent(
     def child():
         if reset:
             reset_torch_threads_after_fork()  # what SwarmAverager.on_process_start does first
+            if torch.get_num_threads() != AVERAGER_TORCH_THREADS:
+                print("threads", torch.get_num_threads(), flush=True)
+                os._exit(1)
         errors = []
         start = threading.Barrier(8)
 

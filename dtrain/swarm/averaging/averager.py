@@ -35,24 +35,33 @@ def matchmaking_key(prefix: str) -> bytes:
     return hashlib.sha256(f"dtrain-swarm:{prefix}".encode()).digest()
 
 
-def reset_torch_threads_after_fork() -> None:
-    """Rebuild torch's thread-pool state in a forked child while it has a single thread.
+# torch threads of the averager process: one. Its work is many part-sized operations (decode,
+# checks, CenteredClip, sums), already spread over the event loop's executor threads; torch's
+# intra-op pool only adds OpenMP workers that busy-wait after every parallel region (a part's
+# checks and CenteredClip measured 2.8x the process CPU with 2 threads as with 1, for the same
+# work and time), which on a miner's machine is CPU taken from training and from p2pd.
+AVERAGER_TORCH_THREADS = 1
 
-    Once a process has called ``torch.set_num_threads`` (dtrain's tests do, an operator's
-    script may), every new thread's first parallel-capable op re-applies that setting, and in
-    a forked child that step rebuilds the pool torch marked as lost in the fork. Several
-    threads doing it at once race, and one of them fails with "Invalid thread pool!": in
-    the averager that was the 8-bit codec's first part, raised inside hivemind's writer task,
-    which ends silently, so the reducers heard nothing and banned an honest sender 30 s later.
-    Setting the same thread count once here, before the averager starts its threads, does the
-    rebuild single-threaded. It enters no parallel region, so it is safe on the forking thread.
-    A failure here is only logged: the averager works without the reset, and an exception
-    would end its process before it says "ready".
+
+def reset_torch_threads_after_fork() -> None:
+    """Set the averager's torch thread count (``AVERAGER_TORCH_THREADS``) while its forked
+    process still has a single thread.
+
+    Besides the count, this rebuilds torch's thread-pool state safely. Once a process has
+    called ``torch.set_num_threads`` (dtrain's tests do, an operator's script may), every new
+    thread's first parallel-capable op re-applies that setting, and in a forked child that step
+    rebuilds the pool torch marked as lost in the fork. Several threads doing it at once race,
+    and one of them fails with "Invalid thread pool!": in the averager that was the 8-bit
+    codec's first part, raised inside hivemind's writer task, which ends silently, so the
+    reducers heard nothing and banned an honest sender 30 s later. Setting the count once here,
+    before the averager starts its threads, does the rebuild single-threaded. It enters no
+    parallel region, so it is safe on the forking thread. A failure here is only logged: the
+    averager works without it, and an exception would end its process before it says "ready".
     """
     try:
-        torch.set_num_threads(torch.get_num_threads())
+        torch.set_num_threads(AVERAGER_TORCH_THREADS)
     except RuntimeError as exc:
-        logger.warning("swarm: could not reset torch's thread pool in the averager process: %s", exc)
+        logger.warning("swarm: could not set torch's threads in the averager process: %s", exc)
 
 
 class SwarmAverager(AveragerProcess):
