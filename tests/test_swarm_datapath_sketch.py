@@ -1,8 +1,8 @@
 """The CPU path of the work/fingerprint sketch is the device path's projection, bit for bit.
 
 ``dtrain.training.fingerprint`` computes a sketch on CPU with numpy's native uint64 hashing
-and an integer sign flip, and on other devices (GPUs) with torch's int64 ops and a
-``torch.where``. Both must give the same projection: a CPU validator recomputes what a GPU
+and an integer sign flip, range by range, and on other devices (GPUs) with torch's int64 ops
+and a ``torch.where``, many ranges in one pass. Both must give the same projection: a CPU validator recomputes what a GPU
 miner reports, and a reducer's check recomputes the claims a sender computed. On CPU, where
 torch's additions run in order, the two paths must agree to the last bit; the documented
 definition itself is tested in test_training_fingerprint.py.
@@ -20,13 +20,7 @@ from dtrain.training.fingerprint import gradient_sketch, range_sketch
 
 def _device_path_add(out, piece, seed, start):
     # _add_range through the torch-only path (what a GPU runs), here on CPU
-    k = out.numel()
-    first = start // fp.LANES
-    rows = (start + piece.numel() + fp.LANES - 1) // fp.LANES - first
-    table, offsets = fp._signed_table_torch(piece, seed, first, rows, start - first * fp.LANES, k)
-    by_offset = torch.zeros(k, fp.LANES, dtype=torch.float64)
-    by_offset.index_add_(0, offsets, table.view(rows, fp.LANES))
-    out.index_add_(0, fp._fold_index(k, "cpu"), by_offset.reshape(-1))
+    fp._add_pieces_torch(out, [(piece, seed, start)])
 
 
 def _device_path_range_sketch(values, param_index, start, nonce, k=fp.DEFAULT_K, chunk=fp.CHUNK):
@@ -85,6 +79,31 @@ def test_gradient_sketch_over_chunks_and_parameters_is_bit_identical():
             for start in range(0, flat.numel(), chunk):
                 _device_path_add(want, flat[start:start + chunk], seed, start)
         assert gradient_sketch(grads, "n", chunk=chunk).numpy().tobytes() == want.numpy().tobytes()
+
+
+def test_the_device_path_batches_many_pieces_into_one_pass(monkeypatch):
+    # a GPU sketches all of a model's parameters in one set of kernels: the batch must be the
+    # sum of its pieces' sketches, whatever their sizes and alignments
+    gen = torch.Generator().manual_seed(9)
+    pieces = [(torch.randn(n, generator=gen), fp._param_seed("b", i), start)
+              for i, (n, start) in enumerate([(768, 0), (1, 5), (4097, 2**40 + 3), (64, 64), (130, 62), (100_000, 0)])]
+    for k in (64, 7, 256):
+        want = torch.zeros(k, dtype=torch.float64)
+        for values, seed, start in pieces:
+            fp._add_range(want, values, seed, start)
+        got = torch.zeros(k, dtype=torch.float64)
+        fp._add_pieces_torch(got, pieces)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    # and the batching (DEVICE_BATCH) splits a model's pieces without changing the sum
+    grads = [torch.randn(5000, generator=gen), None, torch.randn(3, 70, generator=gen), torch.randn(1, generator=gen)]
+    want = gradient_sketch(grads, "m", chunk=1000)
+    pieces = [(g.reshape(-1)[s:s + 1000], fp._param_seed("m", i), s)
+              for i, g in enumerate(grads) if g is not None for s in range(0, g.numel(), 1000)]
+    for batch in (1000, 2500, 1 << 20):
+        monkeypatch.setattr(fp, "DEVICE_BATCH", batch)
+        got = torch.zeros(64, dtype=torch.float64)
+        fp._add_pieces(got, pieces, batched=True)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), batch
 
 
 def test_range_sketches_of_the_pieces_add_up_to_the_whole():

@@ -117,16 +117,6 @@ def _row_hashes_cpu(seed: int, first_row: int, rows: int, k: int) -> tuple[np.nd
     return bits, torch.from_numpy(offsets.view(np.int64))
 
 
-def _row_hashes_torch(seed: int, first_row: int, rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same hashes with torch's int64 (any device)."""
-    base = torch.arange(first_row, first_row + rows, device=device, dtype=torch.int64) * 2 + seed
-    signs = _mix64(base)
-    offsets = _lshr(_mix64(base + 1), 32) % k
-    lanes = torch.arange(LANES, device=device, dtype=torch.int64)
-    bits = ((signs[:, None] >> lanes[None, :]) & 1).reshape(-1).bool()  # bit 63 too: >> keeps it in bit 0
-    return bits, offsets
-
-
 def _signed_table_cpu(values: torch.Tensor, negative: np.ndarray, pad: int, rows: int) -> torch.Tensor:
     """float64 [rows * 64]: each lane's value with its sign applied, zeros outside the range.
 
@@ -148,34 +138,85 @@ def _signed_table_cpu(values: torch.Tensor, negative: np.ndarray, pad: int, rows
     return torch.from_numpy(table)
 
 
-def _signed_table_torch(values: torch.Tensor, seed: int, first_row: int, rows: int, pad: int,
-                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signed table and the row offsets with torch ops alone: what a GPU runs."""
-    dev = values.device
-    positive, offsets = _row_hashes_torch(seed, first_row, rows, k, dev)
-    table = torch.zeros(rows * LANES, dtype=torch.float64, device=dev)
-    table[pad:pad + values.numel()] = values.detach().reshape(-1)
-    return torch.where(positive, table, -table), offsets
+def _add_pieces_torch(out: torch.Tensor, pieces: Sequence[tuple[torch.Tensor, int, int]]) -> None:
+    """Add the sketches of ``pieces`` = ``(values, seed, start)`` into ``out`` with torch ops
+    alone (what a GPU runs), all pieces in one pass.
+
+    On a GPU the cost of a sketch is the number of kernel launches, not the arithmetic: a model
+    has a hundred-odd parameters, many of a few hundred values, and each range of v1's design
+    cost a dozen launches. Here every piece costs one copy into a shared row-aligned table, and
+    the hashes, signs and additions of all of them run as one set of kernels.
+    """
+    dev, k = out.device, out.numel()
+    firsts, rows, pads = [], [], []
+    for values, _, start in pieces:
+        first = start // LANES
+        firsts.append(first)
+        rows.append((start + values.numel() + LANES - 1) // LANES - first)
+        pads.append(start - first * LANES)
+    total = sum(rows)
+    table = torch.zeros(total * LANES, dtype=torch.float64, device=dev)
+    row = 0
+    for (values, _, _), n_rows, pad in zip(pieces, rows, pads):
+        at = row * LANES + pad
+        table[at:at + values.numel()] = values.detach().reshape(-1)
+        row += n_rows
+    # row r of piece p hashes seed_p + 2 (first_p + r), all rows at once
+    meta = torch.tensor([[seed for _, seed, _ in pieces], firsts, rows], dtype=torch.int64).to(dev)
+    piece_of_row = torch.repeat_interleave(torch.arange(len(pieces), device=dev), meta[2], output_size=total)
+    row_in_piece = torch.arange(total, device=dev) - (torch.cumsum(meta[2], 0) - meta[2])[piece_of_row]
+    base = meta[0][piece_of_row] + 2 * (meta[1][piece_of_row] + row_in_piece)
+    signs = _mix64(base)
+    offsets = _lshr(_mix64(base + 1), 32) % k
+    lanes = torch.arange(LANES, device=dev, dtype=torch.int64)
+    positive = ((signs[:, None] >> lanes[None, :]) & 1).reshape(-1).bool()  # bit 63 too: >> keeps it in bit 0
+    table = torch.where(positive, table, -table)
+    by_offset = torch.zeros(k, LANES, dtype=torch.float64, device=dev)
+    by_offset.index_add_(0, offsets, table.view(total, LANES))
+    out.index_add_(0, _fold_index(k, str(dev)), by_offset.reshape(-1))
 
 
 def _add_range(out: torch.Tensor, values: torch.Tensor, seed: int, start: int) -> None:
-    """Add the sketch of ``values`` = elements ``start ...`` of one parameter into ``out``."""
+    """Add the sketch of ``values`` = elements ``start ...`` of one parameter into ``out`` (CPU)."""
     n = values.numel()
     if n == 0:
         return
     k = out.numel()
-    dev = values.device
     first_row = start // LANES
     rows = (start + n + LANES - 1) // LANES - first_row
     pad = start - first_row * LANES
-    if dev.type == "cpu":
-        negative, offsets = _row_hashes_cpu(seed, first_row, rows, k)
-        table = _signed_table_cpu(values, negative, pad, rows)
-    else:
-        table, offsets = _signed_table_torch(values, seed, first_row, rows, pad, k)
-    by_offset = torch.zeros(k, LANES, dtype=torch.float64, device=dev)
+    negative, offsets = _row_hashes_cpu(seed, first_row, rows, k)
+    table = _signed_table_cpu(values, negative, pad, rows)
+    by_offset = torch.zeros(k, LANES, dtype=torch.float64)
     by_offset.index_add_(0, offsets, table.view(rows, LANES))
-    out.index_add_(0, _fold_index(k, str(dev)), by_offset.reshape(-1))
+    out.index_add_(0, _fold_index(k, "cpu"), by_offset.reshape(-1))
+
+
+# Values per pass of the device path: bounds its transient memory (about 48 bytes a value:
+# the float64 table, its signed copy and the sign bits' int64 intermediate: 0.4 GB here).
+DEVICE_BATCH = 1 << 23
+
+
+def _add_pieces(out: torch.Tensor, pieces: list, batched: bool | None = None) -> None:
+    """Add ``(values, seed, start)`` pieces (each at most a chunk) into ``out``: one by one on
+    CPU, batched up to DEVICE_BATCH values elsewhere (``batched`` overrides, for tests)."""
+    if batched is None:
+        batched = out.device.type != "cpu"
+    if not batched:
+        for values, seed, start in pieces:
+            _add_range(out, values, seed, start)
+        return
+    batch, size = [], 0
+    for piece in pieces:
+        n = piece[0].numel()
+        if batch and size + n > DEVICE_BATCH:
+            _add_pieces_torch(out, batch)
+            batch, size = [], 0
+        if n:
+            batch.append(piece)
+            size += n
+    if batch:
+        _add_pieces_torch(out, batch)
 
 
 def gradient_sketch(
@@ -191,7 +232,7 @@ def gradient_sketch(
     """
     if k < 1:
         raise ValueError("k must be >= 1")
-    out = None
+    out, pieces = None, []
     for i, g in enumerate(grads):
         if g is None:
             continue
@@ -199,10 +240,10 @@ def gradient_sketch(
         if out is None:
             out = torch.zeros(k, dtype=torch.float64, device=flat.device)
         seed = _param_seed(nonce, i)
-        for start in range(0, flat.numel(), chunk):
-            _add_range(out, flat[start : start + chunk], seed, start)
+        pieces.extend((flat[start : start + chunk], seed, start) for start in range(0, flat.numel(), chunk))
     if out is None:
         return torch.zeros(k, dtype=torch.float64)
+    _add_pieces(out, pieces)
     return out.cpu()
 
 
@@ -223,8 +264,7 @@ def range_sketch(
     flat = values.detach().reshape(-1)
     out = torch.zeros(k, dtype=torch.float64, device=flat.device)
     seed = _param_seed(nonce, param_index)
-    for offset in range(0, flat.numel(), chunk):
-        _add_range(out, flat[offset : offset + chunk], seed, start + offset)
+    _add_pieces(out, [(flat[offset : offset + chunk], seed, start + offset) for offset in range(0, flat.numel(), chunk)])
     return out.cpu()
 
 
