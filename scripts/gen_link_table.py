@@ -39,9 +39,9 @@ CLAIM_BYTES = WORK_SKETCH_K * 4  # a work commitment's claim per part: WORK_SKET
 NODE_BYTES = 32 + WORK_SKETCH_K * 8  # a claims tree node: its hash and its sum (float64)
 # Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
 # commitments): the lower of benchmarks/allreduce_netns.py's two settings for "dtrain" (the
-# production settings), 4 peers on 100 Mbit (0.74) and 8 peers on 25 Mbit (0.78), each the
+# production settings), 4 peers on 100 Mbit (0.77) and 8 peers on 25 Mbit (0.78), each the
 # median of three runs (docs/swarm.md, "Measured").
-MEASURED_EFFICIENCY = 0.74
+MEASURED_EFFICIENCY = 0.77
 
 
 def gpt2_params(n_layer: int, n_embd: int, n_positions: int, vocab: int = VOCAB) -> int:
