@@ -28,8 +28,8 @@ reducer each part it receives, and a DiLoCo miner its parameters at each inner s
 hashing gives the same projection on every device (CPU validator, GPU miner); the order of
 the float64 additions differs between devices (GPU adds atomically), which the comparisons'
 tolerances absorb. It costs O(#params) and is computed in chunks (batches of chunks on a
-GPU), so the extra memory stays bounded. The sketch is of the *sum* over the micro-batch's samples of per-sample
-mean-token-loss gradients (what the trainer accumulates).
+GPU), so the extra memory stays bounded. The sketch is of the *sum* over the micro-batch's
+samples of per-sample mean-token-loss gradients (what the trainer accumulates).
 """
 
 from __future__ import annotations
