@@ -81,7 +81,7 @@ def test_gradient_sketch_over_chunks_and_parameters_is_bit_identical():
         assert gradient_sketch(grads, "n", chunk=chunk).numpy().tobytes() == want.numpy().tobytes()
 
 
-def test_the_device_path_batches_many_pieces_into_one_pass(monkeypatch):
+def test_the_device_path_batches_many_pieces_into_one_pass():
     # a GPU sketches all of a model's parameters in one set of kernels: the batch must be the
     # sum of its pieces' sketches, whatever their sizes and alignments
     gen = torch.Generator().manual_seed(9)
@@ -99,11 +99,14 @@ def test_the_device_path_batches_many_pieces_into_one_pass(monkeypatch):
     want = gradient_sketch(grads, "m", chunk=1000)
     pieces = [(g.reshape(-1)[s:s + 1000], fp._param_seed("m", i), s)
               for i, g in enumerate(grads) if g is not None for s in range(0, g.numel(), 1000)]
-    for batch in (1000, 2500, 1 << 20):
-        monkeypatch.setattr(fp, "DEVICE_BATCH", batch)
+    for limit, count in ((1000, 6), (2500, 3), (1 << 20, 1)):  # 5 x 1000 values, then 210 and 1
+        batches = fp._device_batches(pieces + [(torch.zeros(0), 0, 0)], limit)
+        assert len(batches) == count and [p for b in batches for p in b] == pieces
+        assert all(sum(p[0].numel() for p in b) <= limit for b in batches)
         got = torch.zeros(64, dtype=torch.float64)
-        fp._add_pieces(got, pieces, batched=True)
-        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), batch
+        for batch in batches:
+            fp._add_pieces_torch(got, batch)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), limit
 
 
 def test_range_sketches_of_the_pieces_add_up_to_the_whole():

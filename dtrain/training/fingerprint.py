@@ -198,25 +198,30 @@ def _add_range(out: torch.Tensor, values: torch.Tensor, seed: int, start: int) -
 DEVICE_BATCH = 1 << 23
 
 
-def _add_pieces(out: torch.Tensor, pieces: list, batched: bool | None = None) -> None:
+def _device_batches(pieces: list, limit: int) -> list[list]:
+    """``pieces`` in order, grouped into batches of at most ``limit`` values (a larger piece
+    alone); empty pieces dropped."""
+    batches, size = [], 0
+    for piece in pieces:
+        n = piece[0].numel()
+        if not n:
+            continue
+        if not batches or size + n > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(piece)
+        size += n
+    return batches
+
+
+def _add_pieces(out: torch.Tensor, pieces: list) -> None:
     """Add ``(values, seed, start)`` pieces (each at most a chunk) into ``out``: one by one on
-    CPU, batched up to DEVICE_BATCH values elsewhere (``batched`` overrides, for tests)."""
-    if batched is None:
-        batched = out.device.type != "cpu"
-    if not batched:
+    CPU, batched up to DEVICE_BATCH values elsewhere."""
+    if out.device.type == "cpu":
         for values, seed, start in pieces:
             _add_range(out, values, seed, start)
         return
-    batch, size = [], 0
-    for piece in pieces:
-        n = piece[0].numel()
-        if batch and size + n > DEVICE_BATCH:
-            _add_pieces_torch(out, batch)
-            batch, size = [], 0
-        if n:
-            batch.append(piece)
-            size += n
-    if batch:
+    for batch in _device_batches(pieces, DEVICE_BATCH):
         _add_pieces_torch(out, batch)
 
 
