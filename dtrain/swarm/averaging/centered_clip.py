@@ -16,11 +16,12 @@ measures what it does to training with and without an attacker.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Sequence
 
 import numpy as np
 import torch
+
+from dtrain.swarm.averaging.reducer import part_check
 
 TAU_SCALE = 1.0
 ITERATIONS = 20
@@ -61,9 +62,7 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, it
     if tau <= 0:
         # a majority sent exactly the median: clipping to radius 0 would keep it, which is right
         return v0.reshape(shape)
-    v0_sq = float(torch.dot(v0, v0))  # float32 is plenty for the convergence test...
-    if not math.isfinite(v0_sq):  # ...unless it overflows (values beyond ~1e19)
-        v0_sq = float(torch.linalg.vector_norm(v0, dtype=torch.float64)) ** 2
+    v0_sq = part_check(v0)[1] ** 2  # float32's precision is plenty for the convergence test
     a = clip_coefficients(gram, w / w.sum(), tau, iterations=iterations, v0_sq=v0_sq, d_v0=(d @ v0).double())
     return v0.add_(a.float() @ d).reshape(shape)
 
