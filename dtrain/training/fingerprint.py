@@ -21,7 +21,7 @@ of the gradients, with a CountSketch's variance (two lanes of one row never shar
 when k >= 64). What the rows buy is speed: two hashes per 64 elements instead of one per
 element, and the additions go row by row into a k x 64 table (one vectorised row add per
 row) that is folded into the k buckets at the end, instead of a scatter of single values.
-That made a sketch 3x (32k values) to 12x (1M values and more) cheaper on CPU, and on a GPU,
+That made a sketch 3x (32k values) to 6-7x (1M values and more) cheaper on CPU, and on a GPU,
 where all of a model's ranges go through one set of kernels, 4x faster (docs/training.md,
 "Gradient fingerprint"): every sender sketches its whole contribution each round, every
 reducer each part it receives, and a DiLoCo miner its parameters at each inner step. Integer
