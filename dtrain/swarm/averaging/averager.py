@@ -38,7 +38,7 @@ def matchmaking_key(prefix: str) -> bytes:
 # torch threads of the averager process: one. Its work is many part-sized operations (decode,
 # checks, CenteredClip, sums), already spread over the event loop's executor threads; torch's
 # intra-op pool only adds OpenMP workers that busy-wait after every parallel region (a part's
-# checks and CenteredClip measured 2.8x the process CPU with 2 threads as with 1, for the same
+# checks and CenteredClip measured 2.5-2.9x the process CPU with 2 threads as with 1, for the same
 # work and time), which on a miner's machine is CPU taken from training and from p2pd.
 AVERAGER_TORCH_THREADS = 1
 
