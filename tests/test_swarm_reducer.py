@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dtrain.swarm.averaging.centered_clip import centered_clip
+from dtrain.swarm.averaging.centered_clip import centered_clip, clip_account
 from dtrain.swarm.averaging.reducer import (
     NORM_SLACK,
     CheckedReducer,
@@ -208,11 +208,26 @@ def _direct_centered_clip(parts, weights, iterations=20, tau_scale=1.0):
     return v
 
 
+def _fixed_point(parts, weights, tau_scale=1.0, iterations=5000):
+    """The rule's fixed point, ``v = sum_i c_i(v) x_i / sum_i c_i(v)``, iterated to the end in float64."""
+    x = torch.stack([p.double() for p, w in zip(parts, weights) if w > 0])
+    w = torch.tensor([float(w) for w in weights if w > 0], dtype=torch.float64)
+    v0 = x.sort(dim=0).values[(x.shape[0] - 1) // 2]
+    tau = tau_scale * float((x - v0).norm(dim=1).median())
+    v = _direct_centered_clip(parts, weights, tau_scale=tau_scale)
+    for _ in range(iterations):
+        c = w * torch.clamp(tau / (x - v).norm(dim=1).clamp_min(1e-30), max=1.0)
+        v = (c[:, None] * x).sum(0) / c.sum()
+    return v
+
+
 @pytest.mark.parametrize("senders", [3, 4, 5, 8])
 def test_centered_clip_is_the_direct_iteration_computed_on_coefficients(senders):
-    """The reducer's CenteredClip runs on the Gram matrix of the senders' offsets; it must give
-    the direct iteration's result: honest clusters, one or two far-off senders, scaled and
-    negated ones, unequal weights, and every sender on one line (a rank-1 Gram)."""
+    """The reducer's CenteredClip runs on the Gram matrix of the senders' offsets and returns a
+    convex combination of the parts (its account, which receivers check): it must be the rule's
+    fixed point at least as closely as the direct iteration is, for honest clusters, one or two
+    far-off senders, scaled and negated ones, unequal weights, and every sender on one line (a
+    rank-1 Gram)."""
     gen = torch.Generator().manual_seed(senders)
     m = 4096
     g = torch.randn(m, generator=gen)
@@ -225,11 +240,21 @@ def test_centered_clip_is_the_direct_iteration_computed_on_coefficients(senders)
     }
     for name, parts in cases.items():
         weights = [float(1 + (i % 3)) for i in range(senders)]
-        want = _direct_centered_clip(parts, weights)
-        got = centered_clip(parts, weights)
+        direct = _direct_centered_clip(parts, weights)
+        got, coefficients, tau = clip_account(parts, weights)
         assert got.dtype == torch.float32 and got.shape == parts[0].shape
-        err = float((got.double() - want).norm() / want.norm())
-        assert err < 1e-5, (name, err)
+        # the account: a convex combination of the parts that is the result
+        assert (coefficients >= 0).all() and abs(coefficients.sum() - 1) < 1e-12
+        combined = sum(float(c) * p.double() for c, p in zip(coefficients, parts))
+        assert float((got.double() - combined).norm() / combined.norm()) < 1e-6, name
+        # as close to the rule's fixed point as the direct iteration gets (closer where 20
+        # iterations do not converge: a far sender holding half the weight)
+        fixed = _fixed_point(parts, weights)
+        err_direct = float((direct - fixed).norm() / fixed.norm())
+        err = float((got.double() - fixed).norm() / fixed.norm())
+        assert err <= err_direct + 1e-6, (name, err, err_direct)
+        if err_direct < 1e-6:
+            assert float((got.double() - direct).norm() / direct.norm()) < 1e-5, name
     # weight-0 senders are left out, as before
     parts = [g + 0.3 * torch.randn(m, generator=gen) for _ in range(3)] + [1e6 * g]
     torch.testing.assert_close(centered_clip(parts, [1.0, 1.0, 1.0, 0.0]), centered_clip(parts[:3], [1.0] * 3))

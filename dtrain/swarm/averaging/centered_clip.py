@@ -30,41 +30,80 @@ CONVERGED = 1e-6
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, iterations: int = ITERATIONS,
                   tau_scale: float = TAU_SCALE) -> torch.Tensor:
-    """Weighted CenteredClip of equally shaped ``parts`` (float32 result).
+    """Weighted CenteredClip of equally shaped ``parts`` (float32 result); see :func:`clip_account`."""
+    return clip_account(parts, weights, iterations=iterations, tau_scale=tau_scale)[0]
 
-    Senders with weight 0 are left out. With fewer than three weighted senders no majority
-    exists to clip against, and the weighted mean is returned; with none at all, the plain
-    mean of every part (validators only: it is all zeros) or NaN if there are no parts.
 
-    The iteration ``v += sum_i share_i min(1, tau / |x_i - v|) (x_i - v)`` never leaves
-    ``v0 + span(x_i - v0)`` (``v0`` the median start): ``v = v0 + D^T a`` with ``D`` the senders'
-    offsets from ``v0``. So it runs on the n coefficients ``a``, with every distance read off the
-    n x n Gram matrix ``G = D D^T`` (``|x_i - v|^2 = G_ii - 2 (G a)_i + a^T G a``), and ``v`` is
-    formed once at the end. A part costs one pass for the offsets, one matrix product and one
-    combination, whatever the number of iterations: the direct iteration took three passes over
-    every sender's part per iteration, the reducer's largest CPU cost (docs/swarm.md,
-    "CPU per byte").
+def clip_account(parts: Sequence[torch.Tensor], weights: Sequence[float], *, iterations: int = ITERATIONS,
+                 tau_scale: float = TAU_SCALE) -> tuple[torch.Tensor, np.ndarray, float]:
+    """Weighted CenteredClip of equally shaped ``parts``, with its account.
+
+    Returns ``(result, coefficients, tau)``: ``result`` (float32) is ``sum_i c_i parts_i`` with
+    ``c`` (float64, one per part, >= 0, summing to 1) the *coefficients*, and ``tau`` the clip
+    radius (0 where no clipping applied). A reducer publishes the coefficients and ``tau`` with
+    each averaged part, so that every receiver can check the part against the senders' claims
+    (runner.py, "accountable reducers").
+
+    Senders with weight 0 are left out (coefficient 0). With fewer than three weighted senders no
+    majority exists to clip against, and the weighted mean is returned; with none at all, the
+    plain mean of every part (validators only: it is all zeros).
+
+    The iteration ``v += sum_i share_i min(1, tau / |x_i - v|) (x_i - v)`` starts at the
+    coordinate-wise median ``v0`` and never leaves ``v0 + span(x_i - v0)``: ``v = v0 + D^T a``
+    with ``D`` the senders' offsets from ``v0``. So it runs on the n coefficients ``a``, with
+    every distance read off the n x n Gram matrix ``G = D D^T`` (``|x_i - v|^2 = G_ii - 2 (G a)_i
+    + a^T G a``). The median is no linear combination of the parts, so ``v`` itself is not
+    accountable; the result is the fixed-point map at the last iterate instead,
+    ``sum_i c_i x_i`` with ``c_i`` proportional to ``share_i min(1, tau / |x_i - v|)``. At the
+    fixed point (which the iteration reaches to ``CONVERGED``) the two are the same vector,
+    and the result is a convex combination of the parts by construction. A part costs one pass
+    for the offsets, one matrix product and one combination, whatever the number of
+    iterations (docs/swarm.md, "CPU per byte").
     """
     if not parts:
         raise ValueError("centered_clip needs at least one part")
-    weighted = [(p, float(w)) for p, w in zip(parts, weights, strict=True) if w > 0]
-    if not weighted:
-        return torch.stack([p.float() for p in parts]).mean(dim=0)
-    rows = [p.float().reshape(-1) for p, _ in weighted]
-    w = torch.tensor([w for _, w in weighted], dtype=torch.float64)
+    n_all = len(parts)
+    all_w = [float(w) for w in weights]
+    if len(all_w) != n_all:
+        raise ValueError(f"{n_all} parts but {len(all_w)} weights")
+    index = [i for i, w in enumerate(all_w) if w > 0]
     shape = parts[0].shape
-    if len(weighted) < 3:
-        return ((w.float()[:, None] * torch.stack(rows)).sum(0) / float(w.sum())).reshape(shape)
+    coefficients = np.zeros(n_all)
+    if not index:
+        coefficients[:] = 1.0 / n_all
+        return torch.stack([p.float() for p in parts]).mean(dim=0), coefficients, 0.0
+    rows = [parts[i].float().reshape(-1) for i in index]
+    w = np.array([all_w[i] for i in index], dtype=np.float64)
+    share = w / w.sum()
+    if len(index) < 3:
+        coefficients[index] = share
+        return _combine(rows, share).reshape(shape), coefficients, 0.0
     v0 = lower_median(rows)
     d = torch.stack(rows).sub_(v0)  # the offsets D
-    gram = (d @ d.T).double()
-    tau = tau_scale * float(gram.diagonal().clamp_min(0).sqrt().median())
+    gram = (d @ d.T).double().numpy()
+    radii = np.sort(np.sqrt(np.maximum(np.diagonal(gram), 0.0)))
+    tau = tau_scale * float(radii[(len(radii) - 1) // 2])  # the lower median, as torch's median
     if tau <= 0:
-        # a majority sent exactly the median: clipping to radius 0 would keep it, which is right
-        return v0.reshape(shape)
+        # a majority sent exactly the median, which is then one of the parts: keep it
+        coefficients[index[int(np.argmin(np.diagonal(gram)))]] = 1.0
+        return v0.reshape(shape), coefficients, 0.0
     v0_sq = part_check(v0)[1] ** 2  # float32's precision is plenty for the convergence test
-    a = clip_coefficients(gram, w / w.sum(), tau, iterations=iterations, v0_sq=v0_sq, d_v0=(d @ v0).double())
-    return v0.add_(a.float() @ d).reshape(shape)
+    a = clip_coefficients(gram, share, tau, iterations=iterations, v0_sq=v0_sq,
+                          d_v0=(d @ v0).double()).numpy()
+    ga = gram @ a
+    dist = np.sqrt(np.maximum(np.diagonal(gram) - 2 * ga + a @ ga, 0.0))
+    c = share * np.minimum(tau / np.maximum(dist, 1e-30), 1.0)
+    c /= c.sum()
+    coefficients[index] = c
+    # sum_i c_i x_i = v0 + D^T c (the c sum to 1): the offsets are already in memory
+    return v0.add_(torch.from_numpy(c).float() @ d).reshape(shape), coefficients, tau
+
+
+def _combine(rows: Sequence[torch.Tensor], coefficients: np.ndarray) -> torch.Tensor:
+    out = rows[0] * float(coefficients[0])
+    for row, c in zip(rows[1:], coefficients[1:]):
+        out.add_(row, alpha=float(c))
+    return out
 
 
 @functools.lru_cache(maxsize=64)
