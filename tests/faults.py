@@ -30,6 +30,14 @@ class FaultInjection:
     # prove, to every reducer, the claims of the parts actually sent (its parts times scale_parts)
     # instead of the committed ones: a liar whose per-part claims would all check out
     forge_claims: bool = False
+    # multiply the averaged parts this peer returns as a reducer (its account stays the honest
+    # one): a reducer that alters its results
+    scale_results: float = 1.0
+    # add Gaussian noise of this relative norm to the averaged parts it returns
+    noise_results: float = 0.0
+    # as a reducer, leave the sender with this peer id out of every combination (weight 0), and
+    # say so in the account: a result the claims explain, but not the rule
+    drop_sender: Optional[str] = None
 
 
 class FaultyRunner(CheckedRunner):
@@ -44,6 +52,21 @@ class FaultyRunner(CheckedRunner):
 
         forged = ClaimsTree(self.own_tree.claims * self.fault.scale_parts)  # sketches are linear
         return forged.range_proof(*self.share_of(peer_index))
+
+    def new_reducer(self, part_shapes, num_senders):
+        if self.fault.drop_sender in self.sender_ids:
+            self.sender_weights[self.sender_ids.index(self.fault.drop_sender)] = 0.0
+        return super().new_reducer(part_shapes, num_senders)
+
+    def serialized_average(self, part_index: int, averaged, compression):
+        fault = self.fault
+        if fault.scale_results != 1.0 or fault.noise_results:
+            altered = averaged * fault.scale_results
+            if fault.noise_results:
+                noise = torch.randn(averaged.shape, generator=torch.Generator().manual_seed(part_index))
+                altered += noise * (fault.noise_results * float(averaged.norm()) / float(noise.norm()))
+            averaged = altered
+        return super().serialized_average(part_index, averaged, compression)
 
     async def messages_to_reducer(self, peer_index: int, messages):
         fault = self.fault

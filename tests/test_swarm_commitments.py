@@ -262,3 +262,69 @@ def test_a_peer_of_another_epoch_owns_no_share_and_sits_the_round_out(nodes):
     assert not odd.ok and "another epoch than the group (3 of 3 peers" in odd.error
     assert torch.equal(late[0], torch.full((3000,), 7.0))  # nothing of another epoch was applied
     assert {r.epoch for pid, r in odd.work_reports.items() if pid != swarms[3].peer_id} == {3}
+
+
+@pytest.mark.parametrize("alteration", [dict(scale_results=-1.0), dict(scale_results=0.5),
+                                        dict(noise_results=0.05)])
+def test_a_reducer_whose_results_its_account_does_not_explain_is_failed_and_not_applied(nodes, alteration):
+    """An honest sender that, as a reducer, returns its share negated, halved or with noise of 5 %
+    of its norm (its account stays the true combination): every receiver checks each averaged
+    part against the senders' claims, records the reducer FAIL, and keeps its own values for
+    that share; every other share is the honest mean. The claims are public-seed sketches, so
+    this catches any alteration that is not crafted into their null space (issue #22)."""
+    torch.manual_seed(11)
+    data = [[torch.randn(3000)] for _ in range(3)]
+    reports = [honest_report(t, 8) for t in data]
+    originals = [d[0].clone() for d in data]
+    swarms, recs = _run(nodes, data, _cfg(3), reports=reports, weights=[8, 8, 8],
+                        faults={2: FaultInjection(**alteration)})
+    cheat = swarms[2].peer_id
+    mean = (originals[0] + originals[1] + originals[2]) / 3
+    for i, r in enumerate(recs[:2]):
+        assert r.outcome_of(cheat) == Outcome.FAIL, r
+        assert "account does not explain" in _reason(r, cheat)
+        assert r.outcome_of(swarms[1 - i].peer_id) == Outcome.SUCCESS
+        got = data[i][0]
+        own = got == originals[i]  # the cheat's share: kept local
+        assert bool(torch.isclose(got[~own], mean[~own], atol=1e-5).all())
+        assert 0 < int(own.sum()) < got.numel()
+    # an honest round of the same peers: no reducer is failed by the account check
+    torch.manual_seed(12)
+    data = [[torch.randn(3000)] for _ in range(3)]
+    swarms, recs = _run(nodes, data, _cfg(3), reports=[honest_report(t, 8) for t in data], weights=[8, 8, 8])
+    for r in recs:
+        assert all(p.outcome == Outcome.SUCCESS for p in r.peers), r
+
+
+def test_a_reducer_that_leaves_a_sender_out_is_failed_by_that_sender(nodes):
+    """A reducer that leaves sender 0 out of every combination and says so in its account (a
+    result the claims explain): sender 0 received each reply only after the reducer took its
+    part, so its own coefficient of 0 fails the reducer; the other receiver sees a consistent
+    mean of the others and cannot tell (each dropped sender speaks for itself)."""
+    torch.manual_seed(13)
+    data = [[torch.randn(3000)] for _ in range(3)]
+    reports = [honest_report(t, 8) for t in data]
+    originals = [d[0].clone() for d in data]
+    swarms, recs = _run(nodes, data, _cfg(3), reports=reports, weights=[8, 8, 8],
+                        faults={2: FaultInjection(drop_sender=str(nodes[0].dht.peer_id))})
+    cheat = swarms[2].peer_id
+    assert recs[0].outcome_of(cheat) == Outcome.FAIL
+    assert "left our part out" in _reason(recs[0], cheat)
+    own = data[0][0] == originals[0]
+    assert 0 < int(own.sum()) < own.numel()  # the cheat's share stayed local at the dropped sender
+
+
+@pytest.mark.parametrize("aggregation", ["centered_clip", "mean"])
+def test_an_honest_group_passes_every_account_check_under_both_rules(nodes, aggregation):
+    """Four honest senders with unequal weights (and 8-bit parts under CenteredClip): every
+    account checks out, every peer holds the same result, nobody is failed."""
+    torch.manual_seed(14)
+    base = torch.randn(4000)
+    data = [[base + 0.5 * torch.randn(4000)] for _ in range(4)]
+    reports = [honest_report(t, s) for t, s in zip(data, (4, 8, 12, 16))]
+    cfg = _cfg(4, aggregation=aggregation, **({"compression": "8bit"} if aggregation == "centered_clip" else {}))
+    swarms, recs = _run(nodes, data, cfg, reports=reports, weights=[4, 8, 12, 16])
+    for r in recs:
+        assert not r.error and r.fraction_averaged == 1.0, r.error
+        assert all(p.outcome == Outcome.SUCCESS for p in r.peers), [(p.outcome, p.reason) for p in r.peers]
+    assert all(torch.equal(d[0], data[0][0]) for d in data)

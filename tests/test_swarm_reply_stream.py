@@ -40,6 +40,12 @@ def _reducer(parts: int, then_wait: bool, closed: list):
     return Stub()
 
 
+def _runner():
+    """What CountingStub reads of its runner: byte counts, and no reply preamble (no commitments)."""
+    return types.SimpleNamespace(bytes_received=0, expects_reply_preamble=lambda peer_index: False,
+                                 accept_reply_note=lambda peer_index, part_index, note: None)
+
+
 def _collect(stub, expected: int, runner) -> list:
     async def go():
         stream = await CountingStub(stub, runner, expected).rpc_aggregate_part(None)
@@ -49,7 +55,7 @@ def _collect(stub, expected: int, runner) -> list:
 
 
 def test_the_sender_closes_after_its_last_expected_part():
-    closed, runner = [], types.SimpleNamespace(bytes_received=0)
+    closed, runner = [], _runner()
     got = _collect(_reducer(5, then_wait=True, closed=closed), 5, runner)
     assert [m.tensor_part == _reply(i).tensor_part for i, m in enumerate(got)] == [True] * 5
     assert closed == [True]  # our end of the stream is closed, not left to the reducer
@@ -58,7 +64,7 @@ def test_the_sender_closes_after_its_last_expected_part():
 
 def test_a_short_reply_stream_still_ends_short():
     # A reducer that stops early is not waited for: hivemind's part count then fails it.
-    closed, runner = [], types.SimpleNamespace(bytes_received=0)
+    closed, runner = [], _runner()
     got = _collect(_reducer(3, then_wait=False, closed=closed), 5, runner)
     assert len(got) == 3 and closed == [True]
 
@@ -71,5 +77,5 @@ def test_error_replies_are_passed_on_and_not_counted_as_parts():
         async def rpc_aggregate_part(self, inputs):
             return replies()
 
-    got = _collect(Stub(), 1, types.SimpleNamespace(bytes_received=0))
+    got = _collect(Stub(), 1, _runner())
     assert [m.code for m in got] == [averaging_pb2.INTERNAL_ERROR]

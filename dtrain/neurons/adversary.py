@@ -30,6 +30,12 @@ a round it has trained for: see ``_AlteredContribution``):
 - ``wrong-pages``: trains on other pages than its own (the next page id) and commits its own
   page ids: the audit's recomputation (a DiLoCo replay) runs on the assigned pages.
 
+As a reducer (each trains, answers and sends honestly; what it returns for its share is not
+the combination it states):
+
+- ``negating-reducer``: returns every averaged part of its share negated.
+- ``scaling-reducer``: returns every averaged part times ``REDUCER_SCALE``.
+
 Not a cheat: ``fused-adamw`` is an honest miner whose optimizer is torch's fused AdamW (what
 CUDA miners run) while everyone else runs the plain one: "other hardware" in the sandbox.
 
@@ -51,6 +57,7 @@ INFLATED_WEIGHT = 1e6
 POISON_SCALE = 1000.0
 RESCALE = 2.0
 NOISE_RATIO = 0.5
+REDUCER_SCALE = 0.5
 
 
 class AdversarialMiner(Miner):
@@ -265,6 +272,45 @@ class _SandbaggingDiLoCo(DiLoCo):
         return Contribution([t * H for t in honest.tensors], float(min(report.samples, weight_cap)), report)
 
 
+def _altering_swarm(alter):
+    """A GradientSwarm whose reducer returns ``alter(averaged part)`` to every other member, with
+    the true account (its own copy of its share stays the true combination)."""
+    from dtrain.swarm.averaging import GradientSwarm
+    from dtrain.swarm.averaging.averager import SwarmAverager
+    from dtrain.swarm.averaging.runner import CheckedRunner
+
+    class AlteringRunner(CheckedRunner):
+        def serialized_average(self, part_index, averaged, compression):
+            return super().serialized_average(part_index, alter(averaged), compression)
+
+    class AlteringAverager(SwarmAverager):
+        runner_class = AlteringRunner
+
+    class AlteringSwarm(GradientSwarm):
+        def _new_averager(self, buffers, dht, **kwargs):
+            return AlteringAverager(buffers, dht, **kwargs)
+
+    return AlteringSwarm
+
+
+class NegatingReducer(AdversarialMiner):
+    """Honest in everything it sends; returns its share of the average negated."""
+
+    kind = "negating-reducer"
+
+    def _swarm_class(self):
+        return _altering_swarm(lambda averaged: -averaged)
+
+
+class ScalingReducer(AdversarialMiner):
+    """Honest in everything it sends; returns its share of the average times REDUCER_SCALE."""
+
+    kind = "scaling-reducer"
+
+    def _swarm_class(self):
+        return _altering_swarm(lambda averaged: averaged * REDUCER_SCALE)
+
+
 class WrongPages(AdversarialMiner):
     """Trains on another miner's pages (the next page id) but commits its own page ids."""
 
@@ -287,7 +333,8 @@ class FusedAdamW(AdversarialMiner):
 
 
 MINERS = {cls.kind: cls for cls in (Lazy, WrongModel, Copycat, Freeloader, InflatedWeight, Poisoner, SignFlip, Zero,
-                                    Rescale, Noisy, Replay, Sandbagger, WrongPages, FusedAdamW)}
+                                    Rescale, Noisy, Replay, Sandbagger, WrongPages, NegatingReducer, ScalingReducer,
+                                    FusedAdamW)}
 KINDS = tuple(MINERS)
 
 

@@ -162,12 +162,17 @@ class NeuronBase:
 
     # ------------------------------------------------------------------ swarm
 
+    def _swarm_class(self):
+        """The GradientSwarm class this neuron averages with (adversaries substitute their own)."""
+        from dtrain.swarm.averaging import GradientSwarm
+
+        return GradientSwarm
+
     def _start_swarm(self, commitments: dict, *, listen_on: list[str] | None = None) -> None:
         """Start the DHT (and p2pd) and the averager; ``listen_on`` replaces the configured
         listen addresses (a restarted node keeps its port: peers know it by that address)."""
         from dtrain.neurons import runtime
         from dtrain.neurons.discovery import peer_maddrs
-        from dtrain.swarm.averaging import GradientSwarm
         from dtrain.swarm.node import SwarmNode
         from dtrain.swarm.startup import ProcessStartError
 
@@ -178,7 +183,7 @@ class NeuronBase:
         try:
             self.node = SwarmNode(node_config).start()
             self._check_announced()
-            self.swarm = GradientSwarm(
+            self.swarm = self._swarm_class()(
                 # Matching on the swarm fingerprint (model + swarm-wide settings) makes a peer with
                 # other settings WRONG_MODEL instead of silently averaging out-of-step gradients.
                 self.node.dht, [p.detach() for p in self.trainer.params], self.bench.swarm_fingerprint,

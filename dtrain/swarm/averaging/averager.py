@@ -19,6 +19,7 @@ import torch
 from dtrain.swarm import startup
 from dtrain.swarm.averaging import group_rules
 from dtrain.swarm.averaging.assembly import claim_from_gather_bytes, lapsed_followers, ready_to_assemble
+from dtrain.swarm.averaging.contribution import binding_rtol
 from dtrain.swarm.averaging.runner import CheckedRunner
 from dtrain.swarm.hivemind_internals import AveragerProcess, Group, load_balance
 
@@ -150,7 +151,10 @@ class SwarmAverager(AveragerProcess):
             max_norm=plan.max_norm, robust=plan.robust, sender_commitments=plan.sender_commitments,
             senders_with_claims=plan.senders_with_claims,
             own_claims=self._own_claims if plan.committed[plan.me] else None,
-            claims_nonce=plan.claims_nonce, layout=layout, **extra)
+            claims_nonce=plan.claims_nonce, layout=layout,
+            account_rtol=binding_rtol(str(plan.mine.get("comp", "none"))),
+            require_commitments=bool(plan.mine.get("req")),
+            reducer_rules=group_rules.reducer_rules(plan, group.users), **extra)
 
     def _report(self, plan: group_rules.GroupPlan, group: Group, runner: CheckedRunner) -> dict:
         reducer = runner.reducer

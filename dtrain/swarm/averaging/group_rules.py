@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 from dtrain.swarm.averaging.assembly import EXPECT_KEY
 from dtrain.swarm.records import Outcome
 
-GATHER_VERSION = 1
+GATHER_VERSION = 2
 NODE, CLIENT, AUX = "node", "client", "aux"
 # What the caller hands its own averager process in the gather and the averager takes out
 # before matchmaking broadcasts it (SwarmAverager.keep_private): this peer's claims, of which
@@ -256,6 +256,30 @@ def apply_commitments(plan: GroupPlan, commitments: Optional[dict], unbound: dic
     plan.commitments, plan.unbound = commitments, dict(unbound)
     for i in unbound:
         plan.exclude(i)
+
+
+def reducer_rules(plan: GroupPlan, users: Sequence[Any]) -> dict[int, tuple[list[float], bool]]:
+    """Per member that reduces a share: the weight it gives each sender (in sender order) and
+    whether it runs CenteredClip, from its own gather, as plan_group computes them on that
+    member. Receivers check a reducer's account against these (runner.py): a reducer applies
+    its own caps (those of the validator whose query reached it first), not ours, and every
+    exclusion is common to all members, so the senders are ours.
+    A member whose gather holds no valid cap gives everyone 0."""
+    rules = {}
+    for j, role in enumerate(plan.roles):
+        if role != NODE:
+            continue
+        user = users[j] if isinstance(users[j], dict) else {}
+        cap = user.get("cap")
+        cap = float(cap) if isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 0 else 0.0
+        caps = user.get("caps") if isinstance(user.get("caps"), dict) else {}
+        weights = []
+        for i in plan.senders:
+            limit = caps.get(plan.peer_ids[i], cap)
+            limit = float(limit) if isinstance(limit, (int, float)) and math.isfinite(limit) and limit >= 0 else 0.0
+            weights.append(min(plan.claimed[i], limit))
+        rules[j] = (weights, user.get("agg") == "centered_clip")
+    return rules
 
 
 def out_of_step(plan: GroupPlan) -> Optional[str]:

@@ -26,6 +26,7 @@ import logging
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ReducerFinished(Exception):
     """A part arrived after the reducer finished (the round ended or failed)."""
 
 
+
 class CheckedReducer:
     """Reduces this peer's share with receiver-side weights, checks, and optional CenteredClip."""
 
@@ -94,6 +96,8 @@ class CheckedReducer:
         self.num_parts_received = [0] * num_senders
         self.sender_failed_after = [math.inf] * num_senders  # first part a banned sender no longer sends
         self.num_current_senders = num_senders
+        # part index -> its Account, once combined (robust: once the worker thread is done)
+        self.accounts: dict = {}  # accounts.Account
         self.reset_accumulators()
 
     def reset_accumulators(self) -> None:
@@ -114,8 +118,9 @@ class CheckedReducer:
             # anyone brings weight it is never read, so only weight-0 parts go in (one pass less
             # over every weighted part)
             self.plain_sum = torch.zeros(self.part_shapes[self.current_part_index])
-        # with robust aggregation the senders' parts are kept until the last one arrives
-        self.received_parts: list[tuple[torch.Tensor, float]] = []
+        # (sender index, part, weight) of the current part's contributors; robust aggregation
+        # keeps the parts themselves until the last one arrives
+        self.received_parts: list[tuple[int, Optional[torch.Tensor], float]] = []
 
     def reject(self, sender_index: int, reason_set: set, message: str):
         """Ban a sender whose part failed a check; its values are never added."""
@@ -153,8 +158,9 @@ class CheckedReducer:
         current_part_future = self.current_part_future
         w = self.sender_weights[sender_index]
         if self.robust:
-            self.received_parts.append((tensor_part, w))
+            self.received_parts.append((sender_index, tensor_part, w))
         else:
+            self.received_parts.append((sender_index, None, w))
             self.accumulator.add_(tensor_part, alpha=w)
         if w == 0:
             self.plain_sum.add_(tensor_part)
@@ -192,25 +198,42 @@ class CheckedReducer:
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
+            part_index, contributors = self.current_part_index, self.received_parts
             if self.robust and self.denominator > 0:
-                from dtrain.swarm.averaging.centered_clip import centered_clip
-
                 # CenteredClip costs milliseconds per part: run it in a worker thread so the loop
                 # keeps moving bytes and the next part accumulates meanwhile. The part's future
                 # resolves now, with the future of the combination (accumulate_part awaits it):
                 # senders of later parts wake up at once, and finalize() after the last part
                 # cancels nothing that is still being computed.
-                parts, weights = zip(*self.received_parts)
-                result = asyncio.get_event_loop().run_in_executor(None, centered_clip, parts, weights)
+                result = asyncio.get_event_loop().run_in_executor(None, self._clip, part_index, contributors)
             elif self.denominator > 0:
                 result = self.accumulator.div_(self.denominator)
+                self._keep_account(part_index, {i: w / self.denominator for i, _, w in contributors})
             elif self.current_part_accumulated_from > 0:
                 result = self.plain_sum.div_(self.current_part_accumulated_from)
+                self._keep_account(part_index, {i: 1.0 / len(contributors) for i, _, _ in contributors})
             else:
                 # nobody contributed: NaN makes every receiver keep its local values for this part
                 result = torch.full_like(self.plain_sum, float("nan"))
             self.current_part_future.set_result(result)
             self.reset_accumulators()
+
+    def _keep_account(self, part_index: int, coefficients: dict, tau: float = 0.0) -> None:
+        full = np.zeros(self.num_senders)
+        for i, c in coefficients.items():
+            full[i] = c
+        from dtrain.swarm.averaging.accounts import Account
+
+        self.accounts[part_index] = Account(full, tau)
+
+    def _clip(self, part_index: int, contributors) -> torch.Tensor:
+        """Worker thread: one part's CenteredClip, and its account."""
+        from dtrain.swarm.averaging.centered_clip import clip_account
+
+        senders, parts, weights = zip(*contributors)
+        result, coefficients, tau = clip_account(parts, weights)
+        self._keep_account(part_index, dict(zip(senders, coefficients)), tau)
+        return result
 
     def finalize(self) -> None:
         if self.finished.is_set():

@@ -11,6 +11,12 @@
   form is computed once and shared.
 * Reply streams. A reducer keeps a sender's stream open after the last averaged part until
   the sender hangs up (``REPLY_LINGER_S``, see the wall's CountingStub).
+* Accountable reducers. A reducer heads its replies with every sender's claims for its share
+  (the preambles it received, which prove out against each sender's committed root), and sends
+  with each averaged part its *account*: the coefficients of the combination (reducer.Account;
+  CenteredClip's result is a convex combination of the parts). A receiver checks the claims
+  against the roots, then each averaged part against ``sum_i c_i claim_i``; a reducer whose
+  claims or parts do not check out is recorded FAIL and its share keeps our local values.
 
 Transport and the butterfly itself are hivemind's (the wall's ButterflyRunner).
 """
@@ -18,11 +24,13 @@ Transport and the butterfly itself are hivemind's (the wall's ButterflyRunner).
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Optional, Sequence
 
 import torch
 
 from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree
+from dtrain.swarm.averaging.accounts import Account, AccountError, account_problem
 from dtrain.swarm.averaging.contribution import as_received
 from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned, part_check, within_norm
 from dtrain.swarm.hivemind_internals import ButterflyRunner, serialize_part
@@ -40,7 +48,8 @@ class CheckedRunner(ButterflyRunner):
     def __init__(self, *, sender_weights: Sequence[float], sender_norms: Optional[Sequence[float]] = None,
                  max_norm: Optional[float] = None, robust: bool = False,
                  sender_commitments: Optional[Sequence] = None, senders_with_claims: Sequence[bool] = (),
-                 own_claims=None, claims_nonce: str = "", layout=None, **kwargs):
+                 own_claims=None, claims_nonce: str = "", layout=None, account_rtol: float = 1e-4,
+                 require_commitments: bool = True, reducer_rules: Optional[dict] = None, **kwargs):
         # read by new_reducer, which the base class calls
         self.sender_weights = list(sender_weights)
         self.sender_norms = list(sender_norms) if sender_norms is not None else None
@@ -55,6 +64,15 @@ class CheckedRunner(ButterflyRunner):
         self.unproven: set[int] = set()  # senders whose claims did not check out against their root
         self.claims_nonce = claims_nonce
         self.layout = layout
+        # accountable reducers: what we forward, and what reducers forwarded to us
+        self.account_rtol = account_rtol  # the wire codec's binding tolerance (contribution.py)
+        self.require_commitments = require_commitments
+        # reducer peer index -> (the weight it gives each sender, whether it runs CenteredClip)
+        self.reducer_rules = dict(reducer_rules or {})
+        self.share_preambles: dict[int, bytes] = {}  # sender index -> its preamble, as received
+        self._reply_preamble: Optional[bytes] = None
+        self.forwarded_claims: dict[int, list] = {}  # reducer peer index -> per sender: claims or None
+        self.reply_notes: dict[tuple[int, int], bytes] = {}  # (reducer peer index, part) -> its account
         # (part index, compression) -> (averaged part, future of its serialised form)
         self._serialized_cache: dict[tuple[int, int], tuple[torch.Tensor, asyncio.Future]] = {}
         super().__init__(**kwargs)
@@ -75,7 +93,97 @@ class CheckedRunner(ButterflyRunner):
             return f"reducer #{peer_index} returned non-finite values"
         if self.max_norm is not None and not within_norm(norm, self.max_norm):
             return f"reducer #{peer_index} returned an average larger than any contribution"
+        if self._checks_accounts() and peer_index != self._my_index:
+            problem = self._account_problem(peer_index, part_index, part)
+            if problem:
+                return f"reducer #{peer_index} {problem}"
         return None
+
+    # -- accountable reducers ---------------------------------------------------------------
+    @property
+    def _my_index(self) -> int:
+        return self.ordered_peer_ids.index(self.peer_id)
+
+    def _checks_accounts(self) -> bool:
+        # with required commitments only: a weighted sender that committed nothing is then
+        # excluded, so every weighted contribution has claims to check an account against
+        return self.require_commitments and self.sender_commitments is not None and self.layout is not None
+
+    def _reducers_account(self) -> bool:
+        # from the gathers alone, so every peer agrees whether replies carry a preamble
+        return any(self.senders_with_claims)
+
+    def reply_preamble(self) -> Optional[bytes]:
+        if not self._reducers_account():
+            return None
+        if self._reply_preamble is None:
+            me = self.sender_ids.index(str(self.peer_id)) if str(self.peer_id) in self.sender_ids else -1
+            pieces = []
+            for i in range(len(self.sender_peer_ids)):
+                if i == me:
+                    data = self.own_tree.range_proof(*self.share_of(self._my_index)) if self.own_tree else b""
+                else:
+                    data = self.share_preambles.get(i, b"")
+                pieces.append(struct.pack("<I", len(data)) + data)
+            self._reply_preamble = struct.pack("<I", len(pieces)) + b"".join(pieces)
+        return self._reply_preamble
+
+    def reply_note(self, part_index: int) -> bytes:
+        account = self.reducer.accounts.get(part_index)
+        return account.to_bytes() if account is not None else b""
+
+    def expects_reply_preamble(self, peer_index: int) -> bool:
+        return self._reducers_account() and peer_index != self._my_index
+
+    def accept_reply_preamble(self, peer_index: int, data: bytes) -> Optional[str]:
+        if not self._checks_accounts():
+            return None  # read and set aside
+        try:
+            pieces = _split_preamble(data, len(self.sender_peer_ids))
+        except ValueError as exc:
+            return f"sent a malformed claims preamble ({exc})"
+        first, end = self.share_of(peer_index)
+        claims: list = []
+        for i, piece in enumerate(pieces):
+            commitment = self._commitment_of(i)
+            if commitment is None or not piece:
+                claims.append(None)
+                continue
+            try:
+                claims.append(commitment.share_claims(piece, first=first, end=end, num_parts=self._num_parts))
+            except ClaimsProofError as exc:
+                return f"forwarded claims of sender #{i} that do not match its committed root ({exc})"
+        self.forwarded_claims[peer_index] = claims
+        return None
+
+    def accept_reply_note(self, peer_index: int, part_index: int, note: bytes) -> None:
+        if self._checks_accounts():
+            self.reply_notes[(peer_index, part_index)] = note
+
+    def _account_problem(self, peer_index: int, part_index: int, part: torch.Tensor) -> Optional[str]:
+        claims = self.forwarded_claims.get(peer_index)
+        if claims is None:
+            return "sent averaged parts without the claims that account for them"
+        try:
+            account = Account.from_bytes(self.reply_notes.pop((peer_index, part_index), b""),
+                                         len(self.sender_peer_ids))
+        except AccountError as exc:
+            return f"sent a malformed account: {exc}"
+        first, _ = self.share_of(peer_index)
+        param_index, start, length = self.layout.parts[first + part_index]
+        if part.numel() != length:
+            return f"returned a part of {part.numel()} values, expected {length}"
+        rule = self.reducer_rules.get(peer_index)
+        if rule is None:
+            return "reduced a share without a rule from its gather"
+        weights, robust = rule
+        committed = [self._commitment_of(i) is not None for i in range(len(claims))]
+        part_claims = [c[part_index] if c is not None else None for c in claims]
+        me = self.sender_ids.index(str(self.peer_id)) if str(self.peer_id) in self.sender_ids else None
+        my_part = self.as_received(self.sent_part(peer_index, part_index)) if me is not None else None
+        return account_problem(part, account, part_claims, committed, weights, robust=robust,
+                               param_index=param_index, start=start, nonce=self.claims_nonce,
+                               rtol=self.account_rtol, me=me, my_part=my_part) or None
 
     def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor):
         """Worker thread: ``(part_check, matches its claim)`` of a received part."""
@@ -128,7 +236,8 @@ class CheckedRunner(ButterflyRunner):
     def accept_preamble(self, sender_index: int, data: bytes) -> Optional[str]:
         commitment = self._commitment_of(sender_index)
         if commitment is None or self._num_parts is None:
-            return None  # not checked by this peer: read and set aside
+            self.share_preambles[sender_index] = data  # not checked by this peer: forwarded as is
+            return None
         first = self._first_part
         try:
             self.share_claims[sender_index] = commitment.share_claims(
@@ -137,6 +246,7 @@ class CheckedRunner(ButterflyRunner):
             self.unproven.add(sender_index)
             self.reducer.on_sender_failed(sender_index)
             return f"its claims for our share do not match its committed root ({exc})"
+        self.share_preambles[sender_index] = data  # forwarded to every receiver (reply_preamble)
         return None
 
     def _commitment_of(self, sender_index: int):
@@ -158,3 +268,25 @@ class CheckedRunner(ButterflyRunner):
         if tensor_part.numel() != length:
             return False
         return part_matches_claim(tensor_part, claims[part_index], param_index, start, self.claims_nonce)
+
+
+def _split_preamble(data: bytes, num_senders: int) -> list[bytes]:
+    """A reply preamble's per-sender pieces: u32 count, then per sender u32 length and bytes."""
+    if len(data) < 4:
+        raise ValueError("too short")
+    (count,) = struct.unpack_from("<I", data)
+    if count != num_senders:
+        raise ValueError(f"{count} senders, expected {num_senders}")
+    pieces, offset = [], 4
+    for _ in range(count):
+        if offset + 4 > len(data):
+            raise ValueError("truncated")
+        (n,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        if offset + n > len(data):
+            raise ValueError("truncated")
+        pieces.append(data[offset:offset + n])
+        offset += n
+    if offset != len(data):
+        raise ValueError("trailing bytes")
+    return pieces

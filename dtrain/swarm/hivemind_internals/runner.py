@@ -50,16 +50,28 @@ class ButterflyRunner(AllReduceRunner):
         self.tensor_part_reducer = self.new_reducer(tuple(p.shape for p in self.parts_for_local_averaging),
                                                     len(self.sender_peer_ids))
         container = self.tensor_part_container
-        register = container.register_processed_part
+        register, register_failed = container.register_processed_part, container.register_failed_reducer
+        falling_back = []  # set while a failed reducer's share is filled with our own local values
 
         def register_checked(peer_index: int, part_index: int, part: torch.Tensor):
             # raising here makes hivemind fall back to local values for that reducer's share
-            problem = self.check_averaged_part(peer_index, part_index, part)
-            if problem:
-                raise AllreduceException(problem)
+            if not falling_back:
+                problem = self.check_averaged_part(peer_index, part_index, part)
+                if problem:
+                    raise AllreduceException(problem)
             return register(peer_index, part_index, part)
 
+        def register_failed_reducer(peer_index: int):
+            # hivemind registers our local parts through register_processed_part: they are no
+            # reducer's result, and a check of them (an account, say) must not stop the fallback
+            falling_back.append(peer_index)
+            try:
+                register_failed(peer_index)
+            finally:
+                falling_back.pop()
+
         container.register_processed_part = register_checked
+        container.register_failed_reducer = register_failed_reducer
         container.return_deltas = False
 
     # -- hooks -----------------------------------------------------------------------------
@@ -97,6 +109,25 @@ class ButterflyRunner(AllReduceRunner):
         """Read a sender's preamble; a reason refuses the sender (it is then banned)."""
         return None
 
+    def reply_preamble(self) -> Optional[bytes]:
+        """Reducer side: bytes to send every sender ahead of our first averaged part (None: none)."""
+        return None
+
+    def reply_note(self, part_index: int) -> bytes:
+        """Reducer side: bytes that travel with averaged part ``part_index`` (its account)."""
+        return b""
+
+    def expects_reply_preamble(self, peer_index: int) -> bool:
+        """Whether the reducer ``peer_index`` heads its replies with a preamble (every peer must agree)."""
+        return False
+
+    def accept_reply_preamble(self, peer_index: int, data: bytes) -> Optional[str]:
+        """Read a reducer's reply preamble; a reason fails that reducer (its share stays local)."""
+        return None
+
+    def accept_reply_note(self, peer_index: int, part_index: int, note: bytes) -> None:
+        """Keep the note of a reducer's averaged part until check_averaged_part reads it."""
+
     def serialized_average(self, part_index: int, averaged: torch.Tensor, compression_type) -> Any:
         """An awaitable of the averaged part's wire form."""
         return asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, averaged, compression_type)
@@ -119,6 +150,10 @@ class ButterflyRunner(AllReduceRunner):
         counts = self.tensor_part_container.num_parts_by_peer
         first = sum(counts[:peer_index])
         return first, first + counts[peer_index]
+
+    def sent_part(self, peer_index: int, part_index: int) -> torch.Tensor:
+        """Our part ``part_index`` for the reducer ``peer_index``, as we had it before the wire codec."""
+        return self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
 
     @property
     def first_part(self) -> int:
@@ -187,8 +222,9 @@ class ButterflyRunner(AllReduceRunner):
             yield msg
 
     def _get_peer_stub(self, peer):
-        expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
-        return CountingStub(super()._get_peer_stub(peer), self, expected)
+        peer_index = self.ordered_peer_ids.index(peer)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        return CountingStub(super()._get_peer_stub(peer), self, expected, peer_index)
 
     # -- server side -----------------------------------------------------------------------
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
@@ -219,9 +255,19 @@ class ButterflyRunner(AllReduceRunner):
                     return
             parts = amap_in_executor(decode, numbered(), max_prefetch=self.tensor_part_container.prefetch)
             async for averaged, part_compression in self.serve_stream(sender_index, parts):
+                if served == 0:
+                    # by now every sender still in the round has sent its first part, and with it
+                    # its own preamble: what ours carries is complete
+                    head = self.reply_preamble()
+                    if head is not None:
+                        yield averaging_pb2.AveragingData(
+                            code=averaging_pb2.PART_FOR_AVERAGING,
+                            tensor_part=runtime_pb2.Tensor(buffer=head, size=[len(head)], dtype="uint8"))
                 served += 1
                 serialized = await self.serialized_average(served - 1, averaged, part_compression)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                # hivemind reads neither group_id nor peer_id of a reply: the part's note rides in group_id
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
+                                                  group_id=self.reply_note(served - 1))
         finally:
             if served != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -260,8 +306,9 @@ class CountingStub:
     local values, as for any failed reducer.
     """
 
-    def __init__(self, stub, runner, expected_parts: int):
+    def __init__(self, stub, runner, expected_parts: int, peer_index: int = -1):
         self._stub, self._runner, self._expected = stub, runner, expected_parts
+        self._peer_index = peer_index
 
     async def rpc_aggregate_part(self, inputs):
         failed: asyncio.Future = asyncio.get_event_loop().create_future()
@@ -277,10 +324,11 @@ class CountingStub:
                 raise
 
         stream = await self._stub.rpc_aggregate_part(watched_inputs())
-        runner, expected = self._runner, self._expected
+        runner, expected, peer_index = self._runner, self._expected, self._peer_index
 
         async def counted():
             received = 0
+            head_expected = runner.expects_reply_preamble(peer_index)
             try:
                 while True:
                     reply = asyncio.ensure_future(stream.__anext__())
@@ -295,6 +343,17 @@ class CountingStub:
                     except StopAsyncIteration:
                         break
                     runner.bytes_received += msg.ByteSize()
+                    if head_expected:
+                        # the reducer's preamble is ours to read; hivemind sees only averaged parts
+                        head_expected = False
+                        if msg.code != averaging_pb2.PART_FOR_AVERAGING:
+                            raise AllreduceException("sent averaged parts without the claims that account for them")
+                        reason = runner.accept_reply_preamble(peer_index, bytes(msg.tensor_part.buffer))
+                        if reason:
+                            raise AllreduceException(reason)
+                        continue
+                    if msg.code == averaging_pb2.AVERAGED_PART:
+                        runner.accept_reply_note(peer_index, received, bytes(msg.group_id))
                     yield msg
                     if msg.code == averaging_pb2.AVERAGED_PART:
                         received += 1

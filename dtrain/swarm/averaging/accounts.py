@@ -1,0 +1,155 @@
+"""Accountable reducers: what a reducer states about each part it returns, and the receivers' check.
+
+A reducer returns, for every part of its share, a combination of the senders' parts. With each
+averaged part it sends its *account* (:class:`Account`): the coefficients of that combination and
+CenteredClip's radius. Ahead of its replies it forwards every sender's claims for its share, as
+they proved out against the senders' committed roots (runner.py). A receiver then checks:
+
+* **the part against the claims**: sketches are linear, so ``range_sketch(sum_i c_i x_i)`` must
+  be ``sum_i c_i claim_i``, up to the wire codec's error on the result;
+* **the coefficients against the rule** the reducer runs, with the weights its own gather gives
+  each sender (group_rules.reducer_rules): a weighted mean has ``c_i`` proportional to ``w_i``;
+  CenteredClip has ``c_i`` proportional to ``w_i min(1, tau / |x_i - r|)``, which a receiver
+  can bound for its *own* part (it knows ``x_i`` and ``r``), and its ``tau`` must be of the
+  order of the senders' distances from the result, read off the sketches;
+* **its own part is in**: a receiver's reply for part p comes only after the reducer took its
+  part p, so a sender with weight whose coefficient is 0 (or below its bound) was dropped.
+
+So every alteration of a result that the public-seed claims can see, and every dropped or
+down-weighted sender (by that sender), is caught. What is left, a change crafted into the null
+space of the public sketch, needs a seed fixed after the round (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL
+from dtrain.training.fingerprint import range_sketch
+
+
+class AccountError(ValueError):
+    """A reducer's account for a part is malformed."""
+
+
+@dataclass(frozen=True)
+class Account:
+    """How a reducer combined one part: ``result = sum_i coefficients[i] x_i`` over the senders
+    (in sender order; 0 for a sender left out), and CenteredClip's radius ``tau`` (0 for a
+    mean). It travels with the averaged part, so every receiver can check the part against the
+    senders' claims (runner.py, "accountable reducers"; docs/protocol.md)."""
+
+    coefficients: np.ndarray  # float64 [num_senders], >= 0, summing to 1
+    tau: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        return np.concatenate([[self.tau], self.coefficients]).astype("<f8").tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, num_senders: int) -> "Account":
+        if len(data) != 8 * (num_senders + 1):
+            raise AccountError(f"an account of {len(data)} bytes, expected {8 * (num_senders + 1)}")
+        values = np.frombuffer(data, dtype="<f8")
+        tau, coefficients = float(values[0]), values[1:].copy()
+        if not (np.isfinite(values).all() and tau >= 0 and (coefficients >= 0).all()):
+            raise AccountError("an account with negative or non-finite values")
+        if abs(float(coefficients.sum()) - 1.0) > ACCOUNT_SUM_TOL:
+            raise AccountError(f"coefficients that sum to {float(coefficients.sum()):.9g}, not 1")
+        return cls(coefficients, tau)
+
+
+# An account's coefficients are float64 ratios of the weights: they sum to 1 far closer than this.
+ACCOUNT_SUM_TOL = 1e-9
+
+# How far below the senders' typical distance from the result CenteredClip's radius may be
+# stated. The rule's radius is the lower median of the weighted senders' distances from the
+# coordinate-wise median start; the sketch estimates the distances from the result within about
+# 10 % (k = 64), and the start and the result lie in the same honest cluster. A factor of 4
+# leaves honest rounds far clear, and bounds how far a reducer can shrink the radius to
+# down-weight a sender: its own check (below) then holds it to a quarter of its fair share.
+TAU_FLOOR = 0.25
+# Float slack of the ratio and bound checks (the coefficients are float64 ratios of weights).
+RULE_RTOL = 1e-6
+
+
+def account_problem(part: torch.Tensor, account: Account, claims: Sequence[Optional[np.ndarray]],
+                    committed: Sequence[bool], weights: Sequence[float], *, robust: bool,
+                    param_index: int, start: int, nonce: str, rtol: float, me: Optional[int] = None,
+                    my_part: Optional[torch.Tensor] = None) -> str:
+    """"" when an averaged part is what its reducer's account says and the account follows the
+    reducer's rule, else why not.
+
+    ``claims``: per sender, its claim for this part (None: not shown); ``committed``: per
+    sender, whether it committed (its claims are owed); ``weights``: the weight the reducer
+    gives each sender; ``robust``: it runs CenteredClip; ``rtol``: the wire codec's binding
+    tolerance (the result crosses the codec once more; 1e-4 without compression); ``me`` and
+    ``my_part``: our sender index and our part as the reducer decoded it, when we sent it.
+    """
+    c = account.coefficients
+    if len(c) != len(weights):
+        return f"sent an account for {len(c)} senders, expected {len(weights)}"
+    used = [i for i in range(len(c)) if c[i] > 0]
+    if used and not any(committed[i] for i in used):
+        # the weight-0 plain mean (nobody with weight sent this part): equal coefficients
+        if any(weights[i] > 0 for i in used) or max(c[used]) - min(c[used]) > RULE_RTOL:
+            return "gave weight to senders the rule gives none"
+        if me is not None and weights[me] > 0:
+            return "left our part out of the combination"
+        return ""
+    missing = [i for i in used if claims[i] is None]
+    if missing:
+        return f"gave weight to sender(s) {missing} whose claims it did not show"
+    k = claims[used[0]].shape[0]
+    got = range_sketch(part, param_index, start, nonce, k=k).numpy()
+    want, spread = np.zeros(k), 0.0
+    for i in used:
+        claim = claims[i].astype(np.float64)
+        want += c[i] * claim
+        spread += c[i] * float(np.linalg.norm(claim))
+    err = float(np.linalg.norm(got - want))
+    if err > rtol * float(np.linalg.norm(got)) + PART_RTOL * spread + ABS_FLOOR:
+        return f"returned a part its account does not explain (sketch error {err / max(spread, ABS_FLOOR):.2g})"
+    return rule_problem(account, weights, robust=robust, me=me, my_distance=_my_distance(part, my_part, rtol),
+                        distances=[float(np.linalg.norm(claims[i].astype(np.float64) - got)) for i in used])
+
+
+def _my_distance(part: torch.Tensor, my_part: Optional[torch.Tensor], rtol: float) -> float:
+    """An upper bound on |our part - the reducer's result| from the result as decoded."""
+    if my_part is None:
+        return math.inf
+    r = part.detach().double().reshape(-1)
+    return float((my_part.detach().double().reshape(-1) - r).norm()) + rtol * float(r.norm())
+
+
+def rule_problem(account: Account, weights: Sequence[float], *, robust: bool, me: Optional[int],
+                 my_distance: float, distances: Sequence[float]) -> str:
+    """"" when weighted coefficients follow the rule, else why not (see the module's docstring)."""
+    c, tau = account.coefficients, account.tau
+    used = [i for i in range(len(c)) if c[i] > 0]
+    if any(weights[i] <= 0 for i in used):
+        return "gave weight to senders the rule gives none"
+    if me is not None and weights[me] > 0 and c[me] <= 0:
+        return "left our part out of the combination"
+    if not robust or len(used) < 3:  # CenteredClip is the weighted mean below three senders
+        ratios = [c[i] / weights[i] for i in used]
+        if max(ratios) - min(ratios) > RULE_RTOL * max(ratios):
+            return "weighted the senders against the rule (a weighted mean)"
+        return ""
+    if tau <= 0:
+        # a majority sent the same part, which is then the result: one coefficient of 1
+        return "" if len(used) == 1 else "stated no clip radius for a clipped combination"
+    if distances:
+        typical = sorted(distances)[(len(distances) - 1) // 2]
+        if tau < TAU_FLOOR * typical:
+            return f"stated a clip radius {tau:.3g} far below the senders' distances ({typical:.3g})"
+    if me is not None and weights[me] > 0:
+        fair = weights[me] / sum(weights)  # the normaliser sum_i w_i min(1, ...) is at most sum_i w_i
+        floor = fair * min(1.0, tau / max(my_distance, 1e-30))
+        if c[me] < floor * (1 - RULE_RTOL):
+            return f"down-weighted our part ({c[me]:.3g}, the rule gives at least {floor:.3g})"
+    return ""
