@@ -269,9 +269,10 @@ def test_a_peer_of_another_epoch_owns_no_share_and_sits_the_round_out(nodes):
 def test_a_reducer_whose_results_its_account_does_not_explain_is_failed_and_not_applied(nodes, alteration):
     """An honest sender that, as a reducer, returns its share negated, halved or with noise of 5 %
     of its norm (its account stays the true combination): every receiver checks each averaged
-    part against the senders' claims, records the reducer FAIL, and keeps its own values for
-    that share; every other share is the honest mean. The claims are public-seed sketches, so
-    this catches any alteration that is not crafted into their null space (issue #22)."""
+    part against the senders' claims, records the reducer FAIL, and puts zeros in that share
+    (the same on every receiver: no re-sync needed); every other share is the honest mean. The
+    claims are public-seed sketches, so this catches any alteration that is not crafted into
+    their null space (issue #22)."""
     torch.manual_seed(11)
     data = [[torch.randn(3000)] for _ in range(3)]
     reports = [honest_report(t, 8) for t in data]
@@ -285,9 +286,11 @@ def test_a_reducer_whose_results_its_account_does_not_explain_is_failed_and_not_
         assert "account does not explain" in _reason(r, cheat)
         assert r.outcome_of(swarms[1 - i].peer_id) == Outcome.SUCCESS
         got = data[i][0]
-        own = got == originals[i]  # the cheat's share: kept local
-        assert bool(torch.isclose(got[~own], mean[~own], atol=1e-5).all())
-        assert 0 < int(own.sum()) < got.numel()
+        refused = got == 0  # the cheat's share
+        assert bool(torch.isclose(got[~refused], mean[~refused], atol=1e-5).all())
+        assert 0 < int(refused.sum()) < got.numel()
+        assert r.fraction_refused == pytest.approx(int(refused.sum()) / got.numel()) and r.in_step
+    assert torch.equal(data[0][0], data[1][0])  # the honest receivers hold the same values
     # an honest round of the same peers: no reducer is failed by the account check
     torch.manual_seed(12)
     data = [[torch.randn(3000)] for _ in range(3)]
@@ -304,14 +307,13 @@ def test_a_reducer_that_leaves_a_sender_out_is_failed_by_that_sender(nodes):
     torch.manual_seed(13)
     data = [[torch.randn(3000)] for _ in range(3)]
     reports = [honest_report(t, 8) for t in data]
-    originals = [d[0].clone() for d in data]
     swarms, recs = _run(nodes, data, _cfg(3), reports=reports, weights=[8, 8, 8],
                         faults={2: FaultInjection(drop_sender=str(nodes[0].dht.peer_id))})
     cheat = swarms[2].peer_id
     assert recs[0].outcome_of(cheat) == Outcome.FAIL
     assert "left our part out" in _reason(recs[0], cheat)
-    own = data[0][0] == originals[0]
-    assert 0 < int(own.sum()) < own.numel()  # the cheat's share stayed local at the dropped sender
+    refused = data[0][0] == 0
+    assert 0 < int(refused.sum()) < refused.numel()  # the cheat's share is zeros at the dropped sender
 
 
 @pytest.mark.parametrize("aggregation", ["centered_clip", "mean"])
@@ -328,3 +330,38 @@ def test_an_honest_group_passes_every_account_check_under_both_rules(nodes, aggr
         assert not r.error and r.fraction_averaged == 1.0, r.error
         assert all(p.outcome == Outcome.SUCCESS for p in r.peers), [(p.outcome, p.reason) for p in r.peers]
     assert all(torch.equal(d[0], data[0][0]) for d in data)
+
+
+def test_a_refused_reducer_is_benched_by_the_group_in_the_next_rounds(nodes):
+    """Three rounds of the same four swarms, one of which negates its share as a reducer: in the
+    first it is refused by every receiver (its share zeros everywhere); each receiver names it in
+    its next gathers, so in the second round the majority benches it: it reduces no share, its
+    contribution is still averaged, it is recorded FAIL, and every honest peer holds the full
+    average of all four."""
+    torch.manual_seed(15)
+    cfg = _cfg(4)
+    swarms = [make_swarm(nodes[i].dht, [torch.zeros(3000)], "model-a", cfg,
+                         fault=FaultInjection(scale_results=-1.0) if i == 3 else None) for i in range(4)]
+    cheat = swarms[3].peer_id
+    try:
+        for round_no in range(2):
+            data = [[torch.randn(3000)] for _ in range(4)]
+            originals = [d[0].clone() for d in data]
+            reports = [honest_report(t, 8) for t in data]
+            recs = run_concurrently([
+                lambda i=i: swarms[i].run_round(data[i], weight=8, cap=100, work=reports[i], work_nonce=NONCE)
+                for i in range(4)])
+            mean = sum(originals) / 4
+            for i, r in enumerate(recs[:3]):
+                assert r.outcome_of(cheat) == Outcome.FAIL
+                assert all(r.outcome_of(s.peer_id) == Outcome.SUCCESS for s in swarms[:3])
+                if round_no == 0:
+                    assert "account does not explain" in _reason(r, cheat)
+                    assert 0 < r.fraction_refused < 1 and r.in_step
+                else:
+                    assert "benched" in _reason(r, cheat)
+                    assert r.fraction_averaged == 1.0
+                    torch.testing.assert_close(data[i][0], mean, rtol=0, atol=1e-5)
+    finally:
+        for s in swarms:
+            s.shutdown()

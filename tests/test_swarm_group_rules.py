@@ -288,3 +288,51 @@ def test_a_member_that_never_started_the_round_is_told_from_one_that_failed_it()
     assert got[2] == ("FAIL", "banned as sender (timeout, disconnect or protocol error)")
     assert got[3] == ("FAIL", "banned as sender (timeout, disconnect or protocol error)")
     assert [x["weight_used"] for x in rep["peers"]] == [8.0, 0.0, 0.0, 0.0]
+
+
+# -- accountable reducers: each reducer's rule, and benching ----------------------------------
+
+
+def test_each_reducers_weights_are_its_own_caps_over_our_senders():
+    users = [gather(w=8.0, caps={"peer1": 2.0}), gather(w=8.0, cap=4.0), gather(w=8.0, agg="centered_clip"),
+             gather(w=0.0)]
+    p = plan(users)
+    rules = gr.reducer_rules(p, users)
+    assert rules[0] == ([8.0, 2.0, 8.0, 0.0], False)
+    assert rules[1] == ([4.0, 4.0, 4.0, 0.0], False)
+    assert rules[2] == ([8.0, 8.0, 8.0, 0.0], True)
+    # a member whose cap is not a number gives everyone 0 (every account it sends then fails)
+    broken = users[:3] + [{**gather(w=0.0), "cap": "lots"}]
+    assert gr.reducer_rules(plan(broken), broken)[3] == ([0.0, 0.0, 0.0, 0.0], False)
+
+
+def test_a_reducer_named_by_a_majority_is_benched_and_a_minority_cannot_bench_anyone():
+    def with_ref(names):
+        return {**gather(), "ref": names}
+
+    # peer3 named by peers 0, 1 and 2 (3 of its 3 others): benched, no share, recorded FAIL
+    users = [with_ref(["peer3"]), with_ref(["peer3"]), with_ref(["peer3"]), with_ref(["peer0", "peer1"])]
+    p = plan(users)
+    assert p.benched == {3}
+    assert p.download_bandwidths([1.0, 1.0, 1.0, 1.0]) == [1.0, 1.0, 1.0, 0.0]
+    assert 3 in p.senders and p.used[3] == 8.0  # it still sends, with its weight
+    report = gr.round_report(p, round_id="r")
+    assert report["peers"][3]["outcome"] == "FAIL" and "benched" in report["peers"][3]["reason"]
+    # one accuser of three others, or half of them: nobody benched; naming oneself counts nothing
+    assert plan([with_ref(["peer1"]), gather(), gather(), gather()]).benched == set()
+    assert plan([with_ref(["peer3"]), with_ref(["peer3"]), gather(), gather(), gather()]).benched == set()
+    assert plan([with_ref(["peer0"]), gather()]).benched == set()
+    assert plan([with_ref(["peer1"]), with_ref(["peer0"])]).benched == set()  # a group of two: no bench
+    # an incompatible member's gather is no vote; a malformed ref is ignored
+    assert plan([with_ref(["peer3"]), {**with_ref(["peer3"]), "fp": "other"}, with_ref(["peer3"]),
+                 gather()]).benched == {3}
+    assert plan([with_ref(["peer3"]), {**with_ref(["peer3"]), "fp": "other"}, gather(), gather()]).benched == set()
+    assert plan([{**gather(), "ref": "peer1"}, {**gather(), "ref": "peer1"}, gather()]).benched == set()
+    # a group never benches all its members
+    everyone = [with_ref(["peer1", "peer2"]), with_ref(["peer0", "peer2"]), with_ref(["peer0", "peer1"])]
+    assert plan(everyone).benched == set()
+    # the gather names at most MAX_REFUSED_NAMED peers
+    many = gr.make_gather(fingerprint="model-a", schema="s1", weight=1.0, cap=1.0, norm=1.0, max_norm_ratio=10.0,
+                          aggregation="mean", compression="none", require_commitments=True,
+                          refused=[f"p{i}" for i in range(200)])
+    assert len(many["ref"]) == gr.MAX_REFUSED_NAMED

@@ -497,8 +497,10 @@ class Miner(NeuronBase):
 
             self._card_round = round_facts(record, metrics, epoch=self.epoch, seq_len=self.cfg.model.seq_len)
             self.page_counter = 0  # page counters restart with each epoch's fresh permutation
-            if record.fraction_averaged < 1.0:
+            if not record.in_step:
                 # Part of the vector kept local values: this replica may now differ from others.
+                # (A refused reducer's share is zeros on every honest peer: no catch-up for it,
+                # which could only fetch a state that differs, the refused reducer's own.)
                 self._schedule_catch_up(CatchUpTarget())
             if math.isfinite(metrics.loss):
                 self.tel.train_metrics(loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,

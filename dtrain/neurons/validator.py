@@ -295,7 +295,7 @@ class Validator(NeuronBase):
         # Joining with weight 0, this replica receives the same average and takes the same step.
         if self._apply_round(record, averaged) is not None:
             self._save_checkpoint(uid=0)
-            if record.fraction_averaged < 1.0:
+            if not record.in_step:
                 # Part of our replica kept local (zero) values: take a peer's state instead.
                 self._catch_up()
         self.tel.round_finished(record.to_dict())

@@ -72,7 +72,10 @@ class RoundRecord:
     bytes_sent: int = 0  # protobuf payload bytes of all-reduce messages (excludes libp2p framing)
     bytes_received: int = 0
     allreduce_s: float = 0.0  # the butterfly itself, after the group formed
-    fraction_averaged: float = 0.0  # share of the local vector that received a real average (rest kept local)
+    fraction_averaged: float = 0.0  # share of the local vector that received a real average
+    # share that is zeros because its reducer was refused for what it returned (the same on every
+    # receiver of those bytes); what is neither kept this peer's local values
+    fraction_refused: float = 0.0
     total_weight: float = 0.0  # sum of capped weights of contributing peers, as reduced by this peer
     num_elements: int = 0
     model_fingerprint: str = ""
@@ -87,6 +90,12 @@ class RoundRecord:
     @property
     def ok(self) -> bool:
         return not self.error and self.fraction_averaged > 0
+
+    @property
+    def in_step(self) -> bool:
+        """Whether this replica holds what every peer that saw the same bytes holds: nothing of
+        the vector kept local values (a refused reducer's zeros are common to all)."""
+        return self.fraction_averaged + self.fraction_refused >= 1.0 - 1e-12
 
     def result_of(self, peer_id: str) -> Optional[PeerResult]:
         return next((p for p in self.peers if p.peer_id == peer_id), None)

@@ -32,6 +32,11 @@ from dtrain.swarm.averaging.assembly import EXPECT_KEY
 from dtrain.swarm.records import Outcome
 
 GATHER_VERSION = 2
+# A member that most of the group refused as a reducer (for what it returned) within this many
+# of their rounds reduces no share: it still sends, and is recorded FAIL while benched.
+BENCH_ROUNDS = 10
+# The gather names at most this many such peers (the most recently refused first).
+MAX_REFUSED_NAMED = 64
 NODE, CLIENT, AUX = "node", "client", "aux"
 # What the caller hands its own averager process in the gather and the averager takes out
 # before matchmaking broadcasts it (SwarmAverager.keep_private): this peer's claims, of which
@@ -50,7 +55,7 @@ def schema_hash(tensors: Sequence[Any]) -> str:
 def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, norm: float, max_norm_ratio: float,
                 peer_caps: Optional[dict] = None, aggregation: str, compression: str, require_commitments: bool,
                 commitment: Optional[dict] = None, claims: Optional[bytes] = None,
-                expect: Optional[list] = None) -> dict:
+                expect: Optional[list] = None, refused: Optional[list] = None) -> dict:
     """What this peer tells its group about itself (each key is read by a rule below).
     ``claims`` (the bytes of the claims ``commitment`` commits to) stay in our averager."""
     gather = dict(v=GATHER_VERSION, fp=str(fingerprint), schema=schema, w=float(weight), cap=float(cap),
@@ -66,6 +71,9 @@ def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, nor
         # The leader forms the group as soon as all of these joined instead of waiting out its
         # matchmaking window (assembly.py); missing ones cost the window.
         gather[EXPECT_KEY] = expect
+    if refused:
+        # reducers this peer refused for what they returned, lately (bench_votes)
+        gather["ref"] = [str(p) for p in refused[:MAX_REFUSED_NAMED]]
     return gather
 
 
@@ -121,6 +129,8 @@ class GroupPlan:
     # reducer with its claims for that share (contribution.py), which every reducer must read
     # first, whether or not it checks them
     committed: list[bool] = field(default_factory=list)
+    # members most of the group refused as reducers lately: no share, recorded FAIL
+    benched: set[int] = field(default_factory=set)
 
     def exclude(self, i: int) -> None:
         """Like a wrong model: no share, and its values are never added."""
@@ -169,8 +179,9 @@ class GroupPlan:
         return self.roles[self.me] != AUX
 
     def download_bandwidths(self, bandwidths: Sequence[Optional[float]]) -> list:
-        """What load balancing sees: only nodes reduce a share."""
-        return [bw if role == NODE else 0.0 for bw, role in zip(bandwidths, self.roles)]
+        """What load balancing sees: only nodes reduce a share, and no benched one."""
+        return [bw if role == NODE and i not in self.benched else 0.0
+                for i, (bw, role) in enumerate(zip(bandwidths, self.roles))]
 
     def work_reports(self) -> dict:
         return {self.peer_ids[i]: c.report for i, c in (self.commitments or {}).items()}
@@ -204,7 +215,38 @@ def plan_group(peer_ids: Sequence[str], me: int, users: Sequence[Any], roles: Se
                      committed=[isinstance(u, dict) and isinstance(u.get("commit"), dict) for u in users])
     for i in out_of_scale:
         plan.exclude(i)
+    plan.benched = bench_votes(plan.peer_ids, users, compatible)
     return plan
+
+
+def bench_votes(peer_ids: Sequence[str], users: Sequence[Any], compatible: Sequence[bool]) -> set[int]:
+    """Members named in the ``ref`` of a strict majority of the other compatible members.
+
+    A receiver that refuses a reducer for what it returned (an account that does not check
+    out, claims that do not prove out: accounts.py) names it in its next gathers for
+    ``BENCH_ROUNDS`` of its rounds. Every member reads the same gathers, so all agree on who
+    is benched, and a minority cannot bench an honest peer. It takes two votes at least (in a
+    group of two neither can tell which of them lies), and a group never benches all of its
+    members.
+    """
+    named: dict[str, int] = {}
+    voters = [i for i, ok in enumerate(compatible) if ok]
+    for i in voters:
+        ref = users[i].get("ref") if isinstance(users[i], dict) else None
+        if isinstance(ref, list):
+            for p in {str(p) for p in ref[:MAX_REFUSED_NAMED] if isinstance(p, str)}:
+                if p != str(peer_ids[i]):
+                    named[p] = named.get(p, 0) + 1
+    benched = set()
+    for j, peer in enumerate(peer_ids):
+        others = sum(1 for i in voters if i != j)
+        votes = named.get(str(peer), 0)
+        # two votes at least: in a group of two, neither can tell which of them lies
+        if votes >= 2 and 2 * votes > others:
+            benched.add(j)
+    if benched and all(j in benched for j in voters):
+        return set()  # someone must reduce: a group that benches everyone benches no one
+    return benched
 
 
 def check_commitments(users, mine: dict, compatible, claimed) -> tuple[Optional[dict], dict]:
@@ -305,7 +347,7 @@ def sit_out_report(plan: GroupPlan, round_id: str, reason: str) -> dict:
         round_id=round_id, group=list(plan.peer_ids),
         peers=[dict(peer_id=p, outcome=Outcome.FAIL.value, weight_claimed=plan.claimed[i], weight_used=0.0,
                     reason=plan.unbound.get(i, "")) for i, p in enumerate(plan.peer_ids) if i != plan.me],
-        bytes_sent=0, bytes_received=0, fraction_averaged=0.0, total_weight=0.0, allreduce_s=0.0,
+        bytes_sent=0, bytes_received=0, fraction_averaged=0.0, fraction_refused=0.0, total_weight=0.0, allreduce_s=0.0,
         out_of_step=reason, work_reports=plan.work_reports())
 
 
@@ -316,7 +358,8 @@ NOT_IN_GROUP = "BAD_GROUP_ID"
 
 def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), unproven=(),
                  banned=(), never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
-                 bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0) -> dict:
+                 bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0,
+                 refused_size: int = 0, refused_reducers=()) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
     ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
@@ -345,6 +388,9 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
             outcome, reason = Outcome.FAIL, f"out-of-scale contribution (norm {plan.norms[i]:.3g})"
         elif i in plan.unbound:
             outcome, reason = Outcome.FAIL, plan.unbound[i]
+        elif i in plan.benched:
+            outcome, reason = Outcome.FAIL, ("benched: most of the group refused it as a reducer lately "
+                                             "(it reduces no share)")
         elif peer == me and sending_failures:
             outcome, reason = Outcome.FAIL, "could not send its parts: " + next(iter(sending_failures.values()))
         elif peer == me:
@@ -376,5 +422,9 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
         bytes_sent=int(bytes_sent),
         bytes_received=int(bytes_received),
         fraction_averaged=0.0 if not plan.receives else 1.0 - failed_size / total,
+        # of the rest, what is zeros because its reducer was refused for what it returned: the
+        # same on every receiver of the same bytes (the remainder kept this peer's local values)
+        fraction_refused=0.0 if not plan.receives else refused_size / total,
+        refused=list(refused_reducers),
         total_weight=float(sum(p["weight_used"] for p in peers)),
     )

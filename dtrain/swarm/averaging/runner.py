@@ -24,6 +24,7 @@ Transport and the butterfly itself are hivemind's (the wall's ButterflyRunner).
 from __future__ import annotations
 
 import asyncio
+import functools
 import struct
 from typing import Optional, Sequence
 
@@ -104,6 +105,12 @@ class CheckedRunner(ButterflyRunner):
     def _my_index(self) -> int:
         return self.ordered_peer_ids.index(self.peer_id)
 
+    @functools.cached_property
+    def _my_sender_index(self) -> Optional[int]:
+        # PeerID's str() is a base58 encoding in Python: once per round, not once per part
+        me = str(self.peer_id)
+        return self.sender_ids.index(me) if me in self.sender_ids else None
+
     def _checks_accounts(self) -> bool:
         # with required commitments only: a weighted sender that committed nothing is then
         # excluded, so every weighted contribution has claims to check an account against
@@ -117,7 +124,7 @@ class CheckedRunner(ButterflyRunner):
         if not self._reducers_account():
             return None
         if self._reply_preamble is None:
-            me = self.sender_ids.index(str(self.peer_id)) if str(self.peer_id) in self.sender_ids else -1
+            me = self._my_sender_index
             pieces = []
             for i in range(len(self.sender_peer_ids)):
                 if i == me:
@@ -179,7 +186,7 @@ class CheckedRunner(ButterflyRunner):
         weights, robust = rule
         committed = [self._commitment_of(i) is not None for i in range(len(claims))]
         part_claims = [c[part_index] if c is not None else None for c in claims]
-        me = self.sender_ids.index(str(self.peer_id)) if str(self.peer_id) in self.sender_ids else None
+        me = self._my_sender_index
         my_part = self.as_received(self.sent_part(peer_index, part_index)) if me is not None else None
         return account_problem(part, account, part_claims, committed, weights, robust=robust,
                                param_index=param_index, start=start, nonce=self.claims_nonce,

@@ -18,7 +18,7 @@ import torch
 
 import dtrain.swarm.hivemind_internals  # noqa: F401  (first: hivemind's shims, and its version check)
 from dtrain.swarm.averaging.assembly import expect_list
-from dtrain.swarm.averaging.group_rules import make_gather, schema_hash
+from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS, make_gather, schema_hash
 from dtrain.swarm.averaging.reducer import part_check
 from dtrain.swarm.averaging.settings import AveragingConfig
 from dtrain.swarm.codecs import make_compression
@@ -107,6 +107,10 @@ class GradientSwarm:
         self._step = None
         self._last_stage: Optional[str] = None
         self._layout = None
+        # reducer peer id -> how many more of our rounds we name it in our gather as refused
+        # (bounded by the peers we meet; kept in memory: a restart forgets, which only delays
+        # a bench by one refusal)
+        self._bench: dict[str, int] = {}
         cfg = self.config
         self._averager = self._new_averager(
             self._buffers,
@@ -206,7 +210,8 @@ class GradientSwarm:
             fingerprint=self.fingerprint, schema=self._schema, weight=weight, cap=cap, norm=norm,
             max_norm_ratio=cfg.max_norm_ratio, peer_caps=peer_caps, aggregation=cfg.aggregation,
             compression=cfg.compression, require_commitments=cfg.require_commitments,
-            commitment=commitment, claims=claims, expect=expect_list(expected_peers) if expected_peers else None)
+            commitment=commitment, claims=claims, expect=expect_list(expected_peers) if expected_peers else None,
+            refused=sorted(self._bench, key=lambda p: -self._bench[p]))
         started = time.time()
         t0 = time.monotonic()
         result, error = None, ""
@@ -284,6 +289,11 @@ class GradientSwarm:
         record.bytes_sent = rep["bytes_sent"]
         record.bytes_received = rep["bytes_received"]
         record.fraction_averaged = rep["fraction_averaged"]
+        record.fraction_refused = rep.get("fraction_refused", 0.0)
+        # reducers refused for what they returned are named in our next gathers (group_rules.bench_votes)
+        self._bench = {p: n - 1 for p, n in self._bench.items() if n > 1}
+        for p in rep.get("refused", ()):
+            self._bench[str(p)] = BENCH_ROUNDS
         record.total_weight = rep["total_weight"]
         record.allreduce_s = rep["allreduce_s"]
         record.work_reports = dict(rep.get("work_reports") or {})

@@ -44,6 +44,9 @@ class ButterflyRunner(AllReduceRunner):
         self.bytes_received = 0
         self.failed_reducers: dict[str, str] = {}  # reducer peer id -> why its share stayed local
         self.sending_failures: dict[str, str] = {}  # reducer peer id -> why we could not send it our parts
+        # reducers refused for what they returned (a failed check): their share becomes zeros
+        self.refused_reducers: set[int] = set()
+        self.refused_size = 0
         old = self.tensor_part_reducer  # hivemind's: retired quietly, replaced by ours (same shapes)
         old.finished.set()
         old.current_part_future.cancel()
@@ -58,6 +61,7 @@ class ButterflyRunner(AllReduceRunner):
             if not falling_back:
                 problem = self.check_averaged_part(peer_index, part_index, part)
                 if problem:
+                    self.refused_reducers.add(peer_index)
                     raise AllreduceException(problem)
             return register(peer_index, part_index, part)
 
@@ -66,7 +70,18 @@ class ButterflyRunner(AllReduceRunner):
             # reducer's result, and a check of them (an account, say) must not stop the fallback
             falling_back.append(peer_index)
             try:
-                register_failed(peer_index)
+                if peer_index in self.refused_reducers:
+                    # refused for what it sent (a check of the received bytes, which every
+                    # receiver of the same bytes runs alike): the rest of its share is zeros,
+                    # so all of them hold the same values and none needs another's state
+                    for part_index in range(container._outputs_registered_by_peer[peer_index],
+                                            container.num_parts_by_peer[peer_index]):
+                        local = container._input_parts_by_peer[peer_index][part_index][0]
+                        register(peer_index, part_index, torch.zeros_like(local))
+                        container.failed_size += local.numel()
+                        self.refused_size += local.numel()
+                else:
+                    register_failed(peer_index)  # hivemind's: our own local values
             finally:
                 falling_back.pop()
 
@@ -173,7 +188,9 @@ class ButterflyRunner(AllReduceRunner):
                     never_started={str(p) for p in self.sender_peer_ids
                                    if p not in self.active_senders and p != self.peer_id},
                     bytes_sent=int(self.bytes_sent), bytes_received=int(self.bytes_received),
-                    total_size=int(container.total_size), failed_size=int(container.failed_size))
+                    total_size=int(container.total_size), failed_size=int(container.failed_size),
+                    refused_size=int(self.refused_size),
+                    refused_reducers=sorted(str(self.ordered_peer_ids[i]) for i in self.refused_reducers))
 
     def as_received(self, part: torch.Tensor) -> torch.Tensor:
         """Hook: what a remote sender decodes of ``part`` (the lossy compression round trip). Our
@@ -350,6 +367,7 @@ class CountingStub:
                             raise AllreduceException("sent averaged parts without the claims that account for them")
                         reason = runner.accept_reply_preamble(peer_index, bytes(msg.tensor_part.buffer))
                         if reason:
+                            runner.refused_reducers.add(peer_index)
                             raise AllreduceException(reason)
                         continue
                     if msg.code == averaging_pb2.AVERAGED_PART:
