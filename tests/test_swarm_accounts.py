@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from dtrain.swarm.averaging.accounts import (
-    TAU_FLOOR,
     Account,
     AccountError,
     account_problem,
     rule_problem,
+    tau_floor,
 )
 from dtrain.swarm.averaging.centered_clip import clip_account
 from dtrain.swarm.averaging.reducer import CheckedReducer
@@ -139,22 +139,50 @@ def test_centered_clip_radius_and_down_weighting():
     parts = _senders(5, seed=6)
     weights = [1.0] * 5
     result, c, tau = clip_account(parts, weights)
-    assert tau > 0
-    got = range_sketch(result, PARAM, START, NONCE, k=64).numpy()
-    distances = [float(np.linalg.norm(s.astype(np.float64) - got)) for s in _claims(parts)]
-    typical = sorted(distances)[2]
-    assert tau >= TAU_FLOOR * typical  # an honest radius is far above the floor
-    assert "clip radius" in rule_problem(Account(c, tau=0.2 * TAU_FLOOR * typical), weights, robust=True, me=None,
-                                         my_distance=math.inf, distances=distances)
+    sketches = [s.astype(np.float64) for s in _claims(parts)]
+    floor = tau_floor(sketches)
+    assert 0 < floor < tau  # an honest radius is above the floor the sketches prove
+    assert "clip radius" in rule_problem(Account(c, tau=0.9 * floor), weights, robust=True, me=None,
+                                         my_distance=math.inf, sketches=sketches)
     # a reducer that shrinks sender 0's coefficient to a tenth of the rule's, and renormalises
     shrunk = c.copy()
     shrunk[0] *= 0.1
     shrunk /= shrunk.sum()
     my_distance = float((parts[0].double() - result.double()).norm())
     assert "down-weighted our part" in rule_problem(Account(shrunk, tau), weights, robust=True, me=0,
-                                                    my_distance=my_distance, distances=distances)
+                                                    my_distance=my_distance, sketches=sketches)
     assert rule_problem(Account(c, tau), weights, robust=True, me=0, my_distance=my_distance,
-                        distances=distances) == ""
+                        sketches=sketches) == ""
+
+
+@pytest.mark.parametrize("senders", [3, 4, 5, 8])
+def test_honest_centered_clip_passes_the_rule_checks_even_with_heavy_outliers(senders):
+    """The floor on tau is proven from the senders' spread, not read off the result: an honest
+    CenteredClip passes for every sender's own check, with equal, uneven or outlier-heavy
+    weights, honest clusters, far senders, collinear ones and no cluster at all."""
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(100 * senders + seed)
+        m = 4096
+        g = torch.randn(m, generator=gen)
+        cases = {
+            "honest": [g + 0.3 * torch.randn(m, generator=gen) for _ in range(senders)],
+            "one far": [g + 0.3 * torch.randn(m, generator=gen) for _ in range(senders - 1)] + [-50 * g],
+            "two far": [g + 0.3 * torch.randn(m, generator=gen) for _ in range(senders - 2)]
+            + [10 * g, 40 * torch.ones(m)],
+            "collinear": [(1 + 0.1 * i) * g for i in range(senders)],
+            "no cluster": [torch.randn(m, generator=gen) for _ in range(senders)],
+        }
+        for weights in ([1.0] * senders, [float(1 + i % 3) for i in range(senders)],
+                        [1.0] * (senders - 1) + [float(senders)]):
+            for name, parts in cases.items():
+                result, c, tau = clip_account(parts, weights)
+                sketches = [range_sketch(p, PARAM, START, NONCE, k=64).numpy().astype(np.float64)
+                            for p, ci in zip(parts, c) if ci > 0]
+                for me in range(senders):
+                    mine = float((parts[me].double() - result.double()).norm()) + 1e-4 * float(result.norm())
+                    problem = rule_problem(Account(c, tau), weights, robust=True, me=me, my_distance=mine,
+                                           sketches=sketches)
+                    assert problem == "", (name, weights, me, problem)
 
 
 def test_the_weight_zero_plain_mean_is_not_checked_against_claims_but_a_dropped_sender_sees_it():

@@ -10,8 +10,8 @@ they proved out against the senders' committed roots (runner.py). A receiver the
 * **the coefficients against the rule** the reducer runs, with the weights its own gather gives
   each sender (group_rules.reducer_rules): a weighted mean has ``c_i`` proportional to ``w_i``;
   CenteredClip has ``c_i`` proportional to ``w_i min(1, tau / |x_i - r|)``, which a receiver
-  can bound for its *own* part (it knows ``x_i`` and ``r``), and its ``tau`` must be of the
-  order of the senders' distances from the result, read off the sketches;
+  can bound for its *own* part (it knows ``x_i`` and ``r``), and its ``tau`` has a floor that
+  the senders' sketches prove (``tau_floor``);
 * **its own part is in**: a receiver's reply for part p comes only after the reducer took its
   part p, so a sender with weight whose coefficient is 0 (or below its bound) was dropped.
 
@@ -66,12 +66,15 @@ class Account:
 # An account's coefficients are float64 ratios of the weights: they sum to 1 far closer than this.
 ACCOUNT_SUM_TOL = 1e-9
 
-# How far below the senders' typical distance from the result CenteredClip's radius may be
-# stated. The rule's radius is the lower median of the weighted senders' distances from the
-# coordinate-wise median start; the sketch estimates the distances from the result within about
-# 10 % (k = 64), and the start and the result lie in the same honest cluster. A factor of 4
-# leaves honest rounds far clear, and bounds how far a reducer can shrink the radius to
-# down-weight a sender: its own check (below) then holds it to a quarter of its fair share.
+# CenteredClip's radius is the lower median of the weighted senders' distances from the
+# coordinate-wise median start v0, which a receiver cannot see. What it can bound from the senders'
+# sketches alone: at least q = floor((n + 1) / 2) senders lie within tau of v0, so each of them has
+# q senders (itself included) within 2 tau, and tau >= min_i D_i / 2 with D_i the q-th smallest
+# distance from sender i (``tau_floor``). The sketches estimate distances within about 10 % (k =
+# 64), and 2x off has odds far below 1e-20, so a stated radius must be at least TAU_FLOOR x
+# min_i D^_i. In an honest cluster the rule's radius is 2.3-3.3x that floor (3 to 8 senders,
+# tests/test_swarm_accounts.py): a reducer can shrink it about threefold, and a receiver's own
+# check (below) then holds it to about a third of its fair weight at worst.
 TAU_FLOOR = 0.25
 # Float slack of the ratio and bound checks (the coefficients are float64 ratios of weights).
 RULE_RTOL = 1e-6
@@ -115,7 +118,7 @@ def account_problem(part: torch.Tensor, account: Account, claims: Sequence[Optio
     if err > rtol * float(np.linalg.norm(got)) + PART_RTOL * spread + ABS_FLOOR:
         return f"returned a part its account does not explain (sketch error {err / max(spread, ABS_FLOOR):.2g})"
     return rule_problem(account, weights, robust=robust, me=me, my_distance=_my_distance(part, my_part, rtol),
-                        distances=[float(np.linalg.norm(claims[i].astype(np.float64) - got)) for i in used])
+                        sketches=[claims[i].astype(np.float64) for i in used])
 
 
 def _my_distance(part: torch.Tensor, my_part: Optional[torch.Tensor], rtol: float) -> float:
@@ -126,8 +129,20 @@ def _my_distance(part: torch.Tensor, my_part: Optional[torch.Tensor], rtol: floa
     return float((my_part.detach().double().reshape(-1) - r).norm()) + rtol * float(r.norm())
 
 
+def tau_floor(sketches: Sequence[np.ndarray]) -> float:
+    """``TAU_FLOOR x min_i D_i``, D_i the q-th smallest sketched distance from sender i to the
+    senders (itself included), q = floor((n + 1) / 2): see TAU_FLOOR."""
+    n = len(sketches)
+    if n == 0:
+        return 0.0
+    x = np.stack(sketches)
+    dist = np.sqrt(np.maximum(((x[:, None, :] - x[None, :, :]) ** 2).sum(-1), 0.0))
+    q = (n + 1) // 2
+    return TAU_FLOOR * float(np.sort(dist, axis=1)[:, q - 1].min())
+
+
 def rule_problem(account: Account, weights: Sequence[float], *, robust: bool, me: Optional[int],
-                 my_distance: float, distances: Sequence[float]) -> str:
+                 my_distance: float, sketches: Sequence[np.ndarray]) -> str:
     """"" when weighted coefficients follow the rule, else why not (see the module's docstring)."""
     c, tau = account.coefficients, account.tau
     used = [i for i in range(len(c)) if c[i] > 0]
@@ -143,13 +158,12 @@ def rule_problem(account: Account, weights: Sequence[float], *, robust: bool, me
     if tau <= 0:
         # a majority sent the same part, which is then the result: one coefficient of 1
         return "" if len(used) == 1 else "stated no clip radius for a clipped combination"
-    if distances:
-        typical = sorted(distances)[(len(distances) - 1) // 2]
-        if tau < TAU_FLOOR * typical:
-            return f"stated a clip radius {tau:.3g} far below the senders' distances ({typical:.3g})"
+    floor = tau_floor(sketches)
+    if tau < floor:
+        return f"stated a clip radius {tau:.3g} below what the senders' spread allows ({floor:.3g})"
     if me is not None and weights[me] > 0:
         fair = weights[me] / sum(weights)  # the normaliser sum_i w_i min(1, ...) is at most sum_i w_i
-        floor = fair * min(1.0, tau / max(my_distance, 1e-30))
-        if c[me] < floor * (1 - RULE_RTOL):
-            return f"down-weighted our part ({c[me]:.3g}, the rule gives at least {floor:.3g})"
+        least = fair * min(1.0, tau / max(my_distance, 1e-30))
+        if c[me] < least * (1 - RULE_RTOL):
+            return f"down-weighted our part ({c[me]:.3g}, the rule gives at least {least:.3g})"
     return ""

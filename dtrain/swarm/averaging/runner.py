@@ -15,8 +15,10 @@
   (the preambles it received, which prove out against each sender's committed root), and sends
   with each averaged part its *account*: the coefficients of the combination (reducer.Account;
   CenteredClip's result is a convex combination of the parts). A receiver checks the claims
-  against the roots, then each averaged part against ``sum_i c_i claim_i``; a reducer whose
-  claims or parts do not check out is recorded FAIL and its share keeps our local values.
+  against the roots, then each averaged part against ``sum_i c_i claim_i`` and the
+  coefficients against the reducer's rule (accounts.py); a reducer whose claims, parts or
+  coefficients do not check out is refused: recorded FAIL, the rest of its share zeros on
+  every receiver (the wall's register_failed_reducer), and named in our next gathers.
 
 Transport and the butterfly itself are hivemind's (the wall's ButterflyRunner).
 """

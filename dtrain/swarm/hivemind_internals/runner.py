@@ -26,7 +26,11 @@ class ButterflyRunner(AllReduceRunner):
     Differences from hivemind's: every reducer returns the averaged part itself, not a delta
     (local + delta differs from the average by rounding, differently on every peer, and the
     protocol needs bit-identical results); a failed reducer's share therefore falls back to our
-    raw local part. Subclasses implement :meth:`new_reducer` and :meth:`serve_stream`, and may
+    raw local part, or to zeros for a reducer *refused* for what it returned (a failed check of
+    the received bytes, which every receiver of those bytes runs alike, so all of them hold the
+    same values). Reducers may head their replies with a preamble of their own and attach a
+    note to each averaged part (:meth:`reply_preamble`, :meth:`reply_note`; read by
+    :meth:`accept_reply_preamble`, :meth:`accept_reply_note`). Subclasses implement :meth:`new_reducer` and :meth:`serve_stream`, and may
     implement :meth:`check_averaged_part`, :meth:`inspect_part`, :meth:`messages_to_reducer`,
     :meth:`serialized_average`, :meth:`on_reducer_failed` and the stream's *preamble*
     (:meth:`preamble_for`, :meth:`expects_preamble`, :meth:`accept_preamble`): bytes a sender
@@ -54,10 +58,10 @@ class ButterflyRunner(AllReduceRunner):
                                                     len(self.sender_peer_ids))
         container = self.tensor_part_container
         register, register_failed = container.register_processed_part, container.register_failed_reducer
-        falling_back = []  # set while a failed reducer's share is filled with our own local values
+        falling_back = []  # set while a failed reducer's share is filled in (local values or zeros)
 
         def register_checked(peer_index: int, part_index: int, part: torch.Tensor):
-            # raising here makes hivemind fall back to local values for that reducer's share
+            # raising here makes hivemind fill in the rest of that reducer's share (below)
             if not falling_back:
                 problem = self.check_averaged_part(peer_index, part_index, part)
                 if problem:
@@ -137,7 +141,7 @@ class ButterflyRunner(AllReduceRunner):
         return False
 
     def accept_reply_preamble(self, peer_index: int, data: bytes) -> Optional[str]:
-        """Read a reducer's reply preamble; a reason fails that reducer (its share stays local)."""
+        """Read a reducer's reply preamble; a reason refuses that reducer (the rest of its share is zeros)."""
         return None
 
     def accept_reply_note(self, peer_index: int, part_index: int, note: bytes) -> None:
@@ -364,6 +368,7 @@ class CountingStub:
                         # the reducer's preamble is ours to read; hivemind sees only averaged parts
                         head_expected = False
                         if msg.code != averaging_pb2.PART_FOR_AVERAGING:
+                            runner.refused_reducers.add(peer_index)
                             raise AllreduceException("sent averaged parts without the claims that account for them")
                         reason = runner.accept_reply_preamble(peer_index, bytes(msg.tensor_part.buffer))
                         if reason:
