@@ -18,6 +18,7 @@ from dtrain.swarm.averaging.accounts import (
     Account,
     AccountError,
     account_problem,
+    own_part_problem,
     rule_problem,
     tau_floor,
 )
@@ -35,9 +36,13 @@ def _claims(parts):
 
 
 def _check(part, coefficients, parts, weights, *, robust=False, tau=0.0, rtol=1e-4, me=None, committed=None):
-    return account_problem(part, Account(np.asarray(coefficients, dtype=np.float64), tau), _claims(parts),
-                           committed or [True] * len(parts), weights, robust=robust, param_index=PARAM, start=START,
-                           nonce=NONCE, rtol=rtol, me=me, my_part=parts[me] if me is not None else None)
+    """What every receiver checks, then (for ``me``) what only that sender can."""
+    account = Account(np.asarray(coefficients, dtype=np.float64), tau)
+    problem = account_problem(part, account, _claims(parts), committed or [True] * len(parts), weights,
+                              robust=robust, param_index=PARAM, start=START, nonce=NONCE, rtol=rtol)
+    if problem or me is None:
+        return problem
+    return own_part_problem(part, account, weights, robust=robust, me=me, my_part=parts[me], rtol=rtol)
 
 
 def _senders(n=4, m=3000, seed=0, spread=0.5):
@@ -142,24 +147,30 @@ def test_centered_clip_radius_and_down_weighting():
     sketches = [s.astype(np.float64) for s in _claims(parts)]
     floor = tau_floor(sketches)
     assert 0 < floor < tau  # an honest radius is above the floor the sketches prove
-    assert "clip radius" in rule_problem(Account(c, tau=0.9 * floor), weights, robust=True, me=None,
-                                         my_distance=math.inf, sketches=sketches)
-    # a reducer that shrinks sender 0's coefficient to a tenth of the rule's, and renormalises
+    assert "clip radius" in rule_problem(Account(c, tau=0.9 * floor), weights, robust=True, sketches=sketches)
+    assert rule_problem(Account(c, tau), weights, robust=True, sketches=sketches) == ""
+    # a radius of 0 (the rule's "a majority sent the very same part") needs that majority
+    one = np.zeros(5)
+    one[2] = 1.0
+    assert "without a majority" in rule_problem(Account(one, 0.0), weights, robust=True, sketches=sketches[2:3],
+                                                weighted_sketches=sketches)
+    same = [sketches[0]] * 3 + sketches[3:]
+    assert rule_problem(Account(one, 0.0), weights, robust=True, sketches=same[2:3], weighted_sketches=same) == ""
+    # a reducer that shrinks sender 0's coefficient to a tenth of the rule's, and renormalises:
+    # only sender 0 can tell
     shrunk = c.copy()
     shrunk[0] *= 0.1
     shrunk /= shrunk.sum()
-    my_distance = float((parts[0].double() - result.double()).norm())
-    assert "down-weighted our part" in rule_problem(Account(shrunk, tau), weights, robust=True, me=0,
-                                                    my_distance=my_distance, sketches=sketches)
-    assert rule_problem(Account(c, tau), weights, robust=True, me=0, my_distance=my_distance,
-                        sketches=sketches) == ""
+    assert "down-weighted our part" in own_part_problem(result, Account(shrunk, tau), weights, robust=True, me=0,
+                                                        my_part=parts[0], rtol=1e-4)
+    assert own_part_problem(result, Account(c, tau), weights, robust=True, me=0, my_part=parts[0], rtol=1e-4) == ""
 
 
 @pytest.mark.parametrize("senders", [3, 4, 5, 8])
 def test_honest_centered_clip_passes_the_rule_checks_even_with_heavy_outliers(senders):
     """The floor on tau is proven from the senders' spread, not read off the result: an honest
-    CenteredClip passes for every sender's own check, with equal, uneven or outlier-heavy
-    weights, honest clusters, far senders, collinear ones and no cluster at all."""
+    CenteredClip passes every receiver's checks and every sender's own, with equal, uneven or
+    outlier-heavy weights, honest clusters, far senders, collinear ones and no cluster at all."""
     for seed in range(3):
         gen = torch.Generator().manual_seed(100 * senders + seed)
         m = 4096
@@ -178,10 +189,13 @@ def test_honest_centered_clip_passes_the_rule_checks_even_with_heavy_outliers(se
                 result, c, tau = clip_account(parts, weights)
                 sketches = [range_sketch(p, PARAM, START, NONCE, k=64).numpy().astype(np.float64)
                             for p, ci in zip(parts, c) if ci > 0]
+                weighted = [range_sketch(p, PARAM, START, NONCE, k=64).numpy().astype(np.float64) for p in parts]
+                problem = rule_problem(Account(c, tau), weights, robust=True, sketches=sketches,
+                                       weighted_sketches=weighted)
+                assert problem == "", (name, weights, problem)
                 for me in range(senders):
-                    mine = float((parts[me].double() - result.double()).norm()) + 1e-4 * float(result.norm())
-                    problem = rule_problem(Account(c, tau), weights, robust=True, me=me, my_distance=mine,
-                                           sketches=sketches)
+                    problem = own_part_problem(result, Account(c, tau), weights, robust=True, me=me,
+                                               my_part=parts[me], rtol=1e-4)
                     assert problem == "", (name, weights, me, problem)
 
 

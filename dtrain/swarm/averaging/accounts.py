@@ -82,16 +82,17 @@ RULE_RTOL = 1e-6
 
 def account_problem(part: torch.Tensor, account: Account, claims: Sequence[Optional[np.ndarray]],
                     committed: Sequence[bool], weights: Sequence[float], *, robust: bool,
-                    param_index: int, start: int, nonce: str, rtol: float, me: Optional[int] = None,
-                    my_part: Optional[torch.Tensor] = None) -> str:
+                    param_index: int, start: int, nonce: str, rtol: float) -> str:
     """"" when an averaged part is what its reducer's account says and the account follows the
     reducer's rule, else why not.
 
     ``claims``: per sender, its claim for this part (None: not shown); ``committed``: per
     sender, whether it committed (its claims are owed); ``weights``: the weight the reducer
     gives each sender; ``robust``: it runs CenteredClip; ``rtol``: the wire codec's binding
-    tolerance (the result crosses the codec once more; 1e-4 without compression); ``me`` and
-    ``my_part``: our sender index and our part as the reducer decoded it, when we sent it.
+    tolerance (the result crosses the codec once more; 1e-4 without compression). Every
+    receiver, a validator too, runs these checks on the same bytes, so all reach the same
+    verdict; a failure refuses the reducer. What only a sender can see is
+    :func:`own_part_problem`.
     """
     c = account.coefficients
     if len(c) != len(weights):
@@ -101,8 +102,6 @@ def account_problem(part: torch.Tensor, account: Account, claims: Sequence[Optio
         # the weight-0 plain mean (nobody with weight sent this part): equal coefficients
         if any(weights[i] > 0 for i in used) or max(c[used]) - min(c[used]) > RULE_RTOL:
             return "gave weight to senders the rule gives none"
-        if me is not None and weights[me] > 0:
-            return "left our part out of the combination"
         return ""
     missing = [i for i in used if claims[i] is None]
     if missing:
@@ -117,8 +116,36 @@ def account_problem(part: torch.Tensor, account: Account, claims: Sequence[Optio
     err = float(np.linalg.norm(got - want))
     if err > rtol * float(np.linalg.norm(got)) + PART_RTOL * spread + ABS_FLOOR:
         return f"returned a part its account does not explain (sketch error {err / max(spread, ABS_FLOOR):.2g})"
-    return rule_problem(account, weights, robust=robust, me=me, my_distance=_my_distance(part, my_part, rtol),
-                        sketches=[claims[i].astype(np.float64) for i in used])
+    weighted = [claims[i].astype(np.float64) for i in range(len(c)) if weights[i] > 0 and claims[i] is not None]
+    return rule_problem(account, weights, robust=robust, sketches=[claims[i].astype(np.float64) for i in used],
+                        weighted_sketches=weighted)
+
+
+def own_part_problem(part: torch.Tensor, account: Account, weights: Sequence[float], *, robust: bool, me: int,
+                     my_part: Optional[torch.Tensor], rtol: float) -> str:
+    """"" unless the account leaves out or down-weights *our* part, which only we can tell.
+
+    A reply for part p comes only after the reducer took our part p, so a sender with weight
+    whose coefficient is 0 was dropped; under CenteredClip our coefficient is at least
+    ``w_me / sum(w) x min(1, tau / |x_me - r|)`` (the normaliser is at most ``sum(w)``). Only the
+    sender itself can run this check, so a failure is recorded (the reducer FAIL in our record)
+    but the part is still applied: refusing it would leave us with other values than every
+    other receiver, the validators included.
+    """
+    c, tau = account.coefficients, account.tau
+    if weights[me] <= 0:
+        return ""
+    if c[me] <= 0:
+        if robust and tau <= 0:
+            return ""  # a majority sent the very same part (checked by everyone): ours is clipped out
+        return "left our part out of the combination"
+    used = [i for i in range(len(c)) if c[i] > 0]
+    if robust and len(used) >= 3 and tau > 0:
+        fair = weights[me] / sum(weights)
+        least = fair * min(1.0, tau / max(_my_distance(part, my_part, rtol), 1e-30))
+        if c[me] < least * (1 - RULE_RTOL):
+            return f"down-weighted our part ({c[me]:.3g}, the rule gives at least {least:.3g})"
+    return ""
 
 
 def _my_distance(part: torch.Tensor, my_part: Optional[torch.Tensor], rtol: float) -> float:
@@ -141,29 +168,32 @@ def tau_floor(sketches: Sequence[np.ndarray]) -> float:
     return TAU_FLOOR * float(np.sort(dist, axis=1)[:, q - 1].min())
 
 
-def rule_problem(account: Account, weights: Sequence[float], *, robust: bool, me: Optional[int],
-                 my_distance: float, sketches: Sequence[np.ndarray]) -> str:
-    """"" when weighted coefficients follow the rule, else why not (see the module's docstring)."""
+def rule_problem(account: Account, weights: Sequence[float], *, robust: bool, sketches: Sequence[np.ndarray],
+                 weighted_sketches: Sequence[np.ndarray] = ()) -> str:
+    """"" when weighted coefficients follow the rule, else why not: what every receiver (a
+    validator too) can check from the claims and the reducer's gather (see the module's docstring).
+    ``sketches``: the claims of the senders with a coefficient; ``weighted_sketches``: those of
+    every sender with weight whose claims were shown."""
     c, tau = account.coefficients, account.tau
     used = [i for i in range(len(c)) if c[i] > 0]
     if any(weights[i] <= 0 for i in used):
         return "gave weight to senders the rule gives none"
-    if me is not None and weights[me] > 0 and c[me] <= 0:
-        return "left our part out of the combination"
+    if robust and tau <= 0 and len(sketches) and len(weighted_sketches) >= 3:
+        # clip radius 0: a majority of the weighted senders sent the very same part, the result
+        first = sketches[0]
+        same = sum(1 for s in weighted_sketches
+                   if np.linalg.norm(s - first) <= PART_RTOL * max(np.linalg.norm(first), ABS_FLOOR))
+        if same < (len(weighted_sketches) + 1) // 2:
+            return "stated no clip radius without a majority of identical parts"
+        return ""
     if not robust or len(used) < 3:  # CenteredClip is the weighted mean below three senders
         ratios = [c[i] / weights[i] for i in used]
         if max(ratios) - min(ratios) > RULE_RTOL * max(ratios):
             return "weighted the senders against the rule (a weighted mean)"
         return ""
     if tau <= 0:
-        # a majority sent the same part, which is then the result: one coefficient of 1
-        return "" if len(used) == 1 else "stated no clip radius for a clipped combination"
+        return "stated no clip radius for a clipped combination"
     floor = tau_floor(sketches)
     if tau < floor:
         return f"stated a clip radius {tau:.3g} below what the senders' spread allows ({floor:.3g})"
-    if me is not None and weights[me] > 0:
-        fair = weights[me] / sum(weights)  # the normaliser sum_i w_i min(1, ...) is at most sum_i w_i
-        least = fair * min(1.0, tau / max(my_distance, 1e-30))
-        if c[me] < least * (1 - RULE_RTOL):
-            return f"down-weighted our part ({c[me]:.3g}, the rule gives at least {least:.3g})"
     return ""

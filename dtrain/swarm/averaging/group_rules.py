@@ -359,7 +359,7 @@ NOT_IN_GROUP = "BAD_GROUP_ID"
 def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), unproven=(),
                  banned=(), never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
                  bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0,
-                 refused_size: int = 0, refused_reducers=()) -> dict:
+                 refused_size: int = 0, refused_reducers=(), accused_reducers: Optional[dict] = None) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
     ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
@@ -378,6 +378,7 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
     """
     failed_reducers = failed_reducers or {}
     sending_failures = sending_failures or {}
+    accused_reducers = accused_reducers or {}
     me = plan.peer_ids[plan.me]
     peers = []
     for i, peer in enumerate(plan.peer_ids):
@@ -408,6 +409,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
                                "counted into the group after it had left matchmaking: it never started this round")
         elif peer in banned:
             outcome, reason = Outcome.FAIL, "banned as sender (timeout, disconnect or protocol error)"
+        elif peer in accused_reducers:
+            outcome, reason = Outcome.FAIL, accused_reducers[peer]
         elif peer in failed_reducers:
             outcome, reason = Outcome.FAIL, "did not deliver its averaged part: " + failed_reducers[peer]
         else:

@@ -18,7 +18,9 @@
   against the roots, then each averaged part against ``sum_i c_i claim_i`` and the
   coefficients against the reducer's rule (accounts.py); a reducer whose claims, parts or
   coefficients do not check out is refused: recorded FAIL, the rest of its share zeros on
-  every receiver (the wall's register_failed_reducer), and named in our next gathers.
+  every receiver (the wall's register_failed_reducer), and named in our next gathers. One
+  whose account leaves out or down-weights our own part (which only we can tell) is recorded
+  FAIL, but its parts are applied, so that we hold what every other receiver holds.
 
 Transport and the butterfly itself are hivemind's (the wall's ButterflyRunner).
 """
@@ -33,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree
-from dtrain.swarm.averaging.accounts import Account, AccountError, account_problem
+from dtrain.swarm.averaging.accounts import Account, AccountError, account_problem, own_part_problem
 from dtrain.swarm.averaging.contribution import as_received
 from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned, part_check, within_norm
 from dtrain.swarm.hivemind_internals import ButterflyRunner, serialize_part
@@ -76,6 +78,8 @@ class CheckedRunner(ButterflyRunner):
         self._reply_preamble: Optional[bytes] = None
         self.forwarded_claims: dict[int, list] = {}  # reducer peer index -> per sender: claims or None
         self.reply_notes: dict[tuple[int, int], bytes] = {}  # (reducer peer index, part) -> its account
+        # reducer peer id -> how its account wronged our own part (recorded FAIL, still applied)
+        self.accused_reducers: dict[str, str] = {}
         # (part index, compression) -> (averaged part, future of its serialised form)
         self._serialized_cache: dict[tuple[int, int], tuple[torch.Tensor, asyncio.Future]] = {}
         super().__init__(**kwargs)
@@ -188,11 +192,22 @@ class CheckedRunner(ButterflyRunner):
         weights, robust = rule
         committed = [self._commitment_of(i) is not None for i in range(len(claims))]
         part_claims = [c[part_index] if c is not None else None for c in claims]
+        problem = account_problem(part, account, part_claims, committed, weights, robust=robust,
+                                  param_index=param_index, start=start, nonce=self.claims_nonce,
+                                  rtol=self.account_rtol)
+        if problem:
+            return problem
         me = self._my_sender_index
-        my_part = self.as_received(self.sent_part(peer_index, part_index)) if me is not None else None
-        return account_problem(part, account, part_claims, committed, weights, robust=robust,
-                               param_index=param_index, start=start, nonce=self.claims_nonce,
-                               rtol=self.account_rtol, me=me, my_part=my_part) or None
+        if me is not None and str(self.ordered_peer_ids[peer_index]) not in self.accused_reducers:
+            mine = own_part_problem(part, account, weights, robust=robust, me=me,
+                                    my_part=self.as_received(self.sent_part(peer_index, part_index)),
+                                    rtol=self.account_rtol)
+            if mine:
+                self.accused_reducers[str(self.ordered_peer_ids[peer_index])] = f"reducer #{peer_index} {mine}"
+        return None
+
+    def outcome(self) -> dict:
+        return dict(super().outcome(), accused_reducers=dict(self.accused_reducers))
 
     def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor):
         """Worker thread: ``(part_check, matches its claim)`` of a received part."""
