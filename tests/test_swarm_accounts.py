@@ -203,6 +203,8 @@ def test_the_weight_zero_plain_mean_is_not_checked_against_claims_but_a_dropped_
     parts = [torch.zeros(3000)] * 3
     c = np.full(3, 1 / 3)
     assert _check(torch.zeros(3000), c, parts, [0.0, 0.0, 0.0], committed=[False] * 3) == ""
-    # everyone with weight dropped: a weighted receiver's own part is missing
-    assert "left our part out" in _check(torch.zeros(3000), np.array([0.0, 0.5, 0.5]), parts, [2.0, 0.0, 0.0],
-                                         committed=[True, False, False], me=0)
+    # everyone with weight dropped: a weighted receiver's own part is missing (under either
+    # rule: a radius of 0 excuses our coefficient only for a majority of weighted senders)
+    for robust in (False, True):
+        assert "left our part out" in _check(torch.zeros(3000), np.array([0.0, 0.5, 0.5]), parts, [2.0, 0.0, 0.0],
+                                             committed=[True, False, False], me=0, robust=robust)

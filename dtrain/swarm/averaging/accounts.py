@@ -135,11 +135,11 @@ def own_part_problem(part: torch.Tensor, account: Account, weights: Sequence[flo
     c, tau = account.coefficients, account.tau
     if weights[me] <= 0:
         return ""
+    used = [i for i in range(len(c)) if c[i] > 0]
     if c[me] <= 0:
-        if robust and tau <= 0:
+        if robust and tau <= 0 and used and all(weights[i] > 0 for i in used):
             return ""  # a majority sent the very same part (checked by everyone): ours is clipped out
         return "left our part out of the combination"
-    used = [i for i in range(len(c)) if c[i] > 0]
     if robust and len(used) >= 3 and tau > 0:
         fair = weights[me] / sum(weights)
         least = fair * min(1.0, tau / max(_my_distance(part, my_part, rtol), 1e-30))
