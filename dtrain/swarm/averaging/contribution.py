@@ -218,4 +218,3 @@ def part_matches_claim(part: torch.Tensor, claim: np.ndarray, param_index: int, 
     want = claim.astype(np.float64)
     scale = max(float(np.linalg.norm(want)), float(np.linalg.norm(got)))
     return float(np.linalg.norm(got - want)) <= PART_RTOL * scale + ABS_FLOOR
-

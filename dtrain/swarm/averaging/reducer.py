@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from dtrain.swarm.averaging.accounts import Account
+
 logger = logging.getLogger(__name__)
 
 # Slack for the norm bounds: the wire codec can make a decoded part a little larger than the
@@ -97,7 +99,7 @@ class CheckedReducer:
         self.sender_failed_after = [math.inf] * num_senders  # first part a banned sender no longer sends
         self.num_current_senders = num_senders
         # part index -> its Account, once combined (robust: once the worker thread is done)
-        self.accounts: dict = {}  # accounts.Account
+        self.accounts: dict[int, Account] = {}
         self.reset_accumulators()
 
     def reset_accumulators(self) -> None:
@@ -222,8 +224,6 @@ class CheckedReducer:
         full = np.zeros(self.num_senders)
         for i, c in coefficients.items():
             full[i] = c
-        from dtrain.swarm.averaging.accounts import Account
-
         self.accounts[part_index] = Account(full, tau)
 
     def _clip(self, part_index: int, contributors) -> torch.Tensor:

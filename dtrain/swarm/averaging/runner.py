@@ -112,6 +112,11 @@ class CheckedRunner(ButterflyRunner):
         return self.ordered_peer_ids.index(self.peer_id)
 
     @functools.cached_property
+    def _committed(self) -> list[bool]:
+        """Per sender, whether it committed (its claims are owed to every receiver)."""
+        return [self._commitment_of(i) is not None for i in range(len(self.sender_peer_ids))]
+
+    @functools.cached_property
     def _my_sender_index(self) -> Optional[int]:
         # PeerID's str() is a base58 encoding in Python: once per round, not once per part
         me = str(self.peer_id)
@@ -190,9 +195,8 @@ class CheckedRunner(ButterflyRunner):
         if rule is None:
             return "reduced a share without a rule from its gather"
         weights, robust = rule
-        committed = [self._commitment_of(i) is not None for i in range(len(claims))]
         part_claims = [c[part_index] if c is not None else None for c in claims]
-        problem = account_problem(part, account, part_claims, committed, weights, robust=robust,
+        problem = account_problem(part, account, part_claims, self._committed, weights, robust=robust,
                                   param_index=param_index, start=start, nonce=self.claims_nonce,
                                   rtol=self.account_rtol)
         if problem:
