@@ -17,8 +17,8 @@ from dtrain.cli.common import CommandError, JsonOpt, NoDashboardOpt, cli_errors,
 # (tests/test_cli.py checks the two agree). "fused-adamw" is an honest miner on another
 # optimizer implementation, the sandbox's stand-in for other hardware.
 ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner", "sign-flip", "zero",
-               "rescale", "noisy", "replay", "sandbagger", "wrong-pages", "negating-reducer", "scaling-reducer",
-               "fused-adamw")
+               "rescale", "noisy", "replay", "sandbagger", "wrong-pages", "nullspace-sender", "negating-reducer",
+               "scaling-reducer", "nullspace-reducer", "fused-adamw")
 
 
 # dtrain.config's allreduce.mode choices (the config module is light, but keep completion lean).

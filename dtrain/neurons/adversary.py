@@ -29,12 +29,18 @@ a round it has trained for: see ``_AlteredContribution``):
   it takes one inner step and commits H, each repeating the real one.
 - ``wrong-pages``: trains on other pages than its own (the next page id) and commits its own
   page ids: the audit's recomputation (a DiLoCo replay) runs on the assigned pages.
+- ``nullspace-sender``: sends its mean plus, part by part, a vector in the null space of the
+  part's public range sketch (under the epoch's work nonce): ``mean - NULLSPACE_SCALE * P(mean)``
+  with P that projection. Every public check (claims, binding, page audits) sees its honest
+  mean; what it sends points against it. Only a sketch under a secret seed can catch it.
 
 As a reducer (each trains, answers and sends honestly; what it returns for its share is not
 the combination it states):
 
 - ``negating-reducer``: returns every averaged part of its share negated.
 - ``scaling-reducer``: returns every averaged part times ``REDUCER_SCALE``.
+- ``nullspace-reducer``: returns every averaged part reflected through its public sketch's
+  null space (about negated), so the part's public sketch, and with it its account, is unchanged.
 
 Not a cheat: ``fused-adamw`` is an honest miner whose optimizer is torch's fused AdamW (what
 CUDA miners run) while everyone else runs the plain one: "other hardware" in the sandbox.
@@ -58,6 +64,11 @@ POISON_SCALE = 1000.0
 RESCALE = 2.0
 NOISE_RATIO = 0.5
 REDUCER_SCALE = 0.5
+# The null-space cheats subtract this many times the null-space component of what they alter.
+# 2 reflects it: the same norm (the norm checks see nothing), the same public sketch, and a
+# cosine with the honest vector of about -(1 - 2k/n) for a part of n values (k = 64 buckets).
+# (1 would only remove the component: a vector of about sqrt(k/n) of the norm, still positive.)
+NULLSPACE_SCALE = 2.0
 
 
 class AdversarialMiner(Miner):
@@ -186,6 +197,25 @@ class Replay(_AlteredContribution):
         return [t.clone() for t in sent]
 
 
+class NullspaceSender(_AlteredContribution):
+    """Trains, reports and commits honestly; sends its mean with, in every part, its component in
+    the null space of that part's public range sketch reflected (see ``nullspace_altered``)."""
+
+    kind = "nullspace-sender"
+
+    def alter(self, mean):
+        from dtrain.swarm.averaging.contribution import PartLayout
+        from dtrain.swarm.codecs import make_compression
+        from dtrain.training.work import work_nonce
+
+        # The parts and the nonce the swarm will claim this contribution under: the layout from
+        # its own wire settings (it splits float32 buffers), the nonce that _do_round commits with.
+        settings = self.swarm.config
+        tensors = [t.detach().float() for t in mean]
+        layout = PartLayout.of(tensors, make_compression(settings.compression), settings.part_size_bytes)
+        return nullspace_altered(tensors, layout, work_nonce(self.bench.run_id, self.epoch))
+
+
 class Sandbagger(AdversarialMiner):
     """Trains one page (one inner step in DiLoCo), claims a full contribution with a made-up
     work report: the sandbagging modes below do the training and the making up."""
@@ -281,7 +311,9 @@ def _altering_swarm(alter):
 
     class AlteringRunner(CheckedRunner):
         def serialized_average(self, part_index, averaged, compression):
-            return super().serialized_average(part_index, alter(averaged), compression)
+            # the runner and the part's index in our share: where the part lies and its nonce
+            altered = alter(averaged, runner=self, part_index=part_index)
+            return super().serialized_average(part_index, altered, compression)
 
     class AlteringAverager(SwarmAverager):
         runner_class = AlteringRunner
@@ -293,13 +325,22 @@ def _altering_swarm(alter):
     return AlteringSwarm
 
 
+def _nullspace_reduce(averaged, *, runner, part_index):
+    """``averaged`` reflected through its public sketch's null space, for the reducer runner's
+    part ``part_index`` of its share (unchanged in a round without commitments: no layout)."""
+    if runner.layout is None:
+        return averaged
+    param_index, start, _ = runner.layout.parts[runner.first_part + part_index]
+    return nullspace_reduced(averaged, param_index, start, runner.claims_nonce)
+
+
 class NegatingReducer(AdversarialMiner):
     """Honest in everything it sends; returns its share of the average negated."""
 
     kind = "negating-reducer"
 
     def _swarm_class(self):
-        return _altering_swarm(lambda averaged: -averaged)
+        return _altering_swarm(lambda averaged, **_: -averaged)
 
 
 class ScalingReducer(AdversarialMiner):
@@ -308,7 +349,17 @@ class ScalingReducer(AdversarialMiner):
     kind = "scaling-reducer"
 
     def _swarm_class(self):
-        return _altering_swarm(lambda averaged: averaged * REDUCER_SCALE)
+        return _altering_swarm(lambda averaged, **_: averaged * REDUCER_SCALE)
+
+
+class NullspaceReducer(AdversarialMiner):
+    """Honest in everything it sends; returns its share of the average about negated, with every
+    part's public range sketch (what its account is checked against) unchanged."""
+
+    kind = "nullspace-reducer"
+
+    def _swarm_class(self):
+        return _altering_swarm(_nullspace_reduce)
 
 
 class WrongPages(AdversarialMiner):
@@ -333,8 +384,8 @@ class FusedAdamW(AdversarialMiner):
 
 
 MINERS = {cls.kind: cls for cls in (Lazy, WrongModel, Copycat, Freeloader, InflatedWeight, Poisoner, SignFlip, Zero,
-                                    Rescale, Noisy, Replay, Sandbagger, WrongPages, NegatingReducer, ScalingReducer,
-                                    FusedAdamW)}
+                                    Rescale, Noisy, Replay, Sandbagger, WrongPages, NullspaceSender, NegatingReducer,
+                                    ScalingReducer, NullspaceReducer, FusedAdamW)}
 KINDS = tuple(MINERS)
 
 
@@ -380,3 +431,31 @@ def poison(tensors: Sequence) -> list:
 
     generator = torch.Generator().manual_seed(1234)
     return [t * POISON_SCALE + torch.randn(t.shape, generator=generator) * POISON_SCALE for t in tensors]
+
+
+def nullspace_altered(tensors: Sequence, layout, nonce: str, scale: float = NULLSPACE_SCALE) -> list:
+    """``tensors`` (float32, in parameter order) with, part by part of ``layout``, ``scale`` times
+    the part's component in the null space of its public range sketch under ``nonce`` subtracted:
+    every part's range sketch is the honest one's, the vector is not."""
+    out = [t.detach().clone() for t in tensors]
+    for param_index, start, length in layout.parts:
+        flat = out[param_index].view(-1)  # a view of the clone: the part is written in place
+        piece = flat[start:start + length].double()  # float64: the sketch moves by the final rounding only
+        altered = piece + _null_component(-scale * piece, param_index, start, nonce)
+        flat[start:start + length] = altered.to(flat.dtype)
+    return out
+
+
+def nullspace_reduced(averaged, param_index: int, start: int, nonce: str, scale: float = NULLSPACE_SCALE):
+    """An averaged part (elements ``start ...`` of parameter ``param_index``) with ``scale`` times
+    its null-space component under ``nonce`` subtracted: its range sketch is unchanged."""
+    part = averaged.detach().double()
+    return (part + _null_component(-scale * part, param_index, start, nonce)).to(averaged.dtype)
+
+
+def _null_component(values, param_index: int, start: int, nonce: str):
+    from dtrain.training.fingerprint import project_out_sketch
+    from dtrain.training.work import WORK_SKETCH_K
+
+    # the claims' sketch width: the projection must be of the very sketch the checks compute
+    return project_out_sketch(values, param_index, start, nonce, k=WORK_SKETCH_K)

@@ -348,3 +348,46 @@ def compare_fingerprints(claimed: Fingerprint, reference: Fingerprint, tol: Tole
     if claimed.nonce != reference.nonce:
         reasons.append("answer is for another nonce")
     return Comparison(not reasons, cos, ratio, loss_diff, tuple(reasons))
+
+
+def sketch_buckets(n: int, param_index: int, start: int, nonce: str | bytes | int,
+                   k: int = DEFAULT_K) -> tuple[np.ndarray, np.ndarray]:
+    """(bucket int64 [n] in [0, k), sign float64 [n] of +-1) of elements ``start .. start + n - 1``
+    of parameter ``param_index`` under ``nonce``: the projection ``range_sketch`` applies, element
+    by element (it is computed from the same row hashes, so the two cannot drift apart)."""
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+    first_row = start // LANES
+    rows = (start + n + LANES - 1) // LANES - first_row
+    pad = start - first_row * LANES
+    negative, offsets = _row_hashes_cpu(_param_seed(nonce, param_index), first_row, rows, k)
+    # the lane of every cell of the row-aligned table, and its row's offset: bucket (offset + lane) mod k
+    lanes = np.tile(np.arange(LANES, dtype=np.int64), rows)
+    buckets = (np.repeat(offsets.numpy(), LANES) + lanes) % k
+    signs = 1.0 - 2.0 * negative.astype(np.float64)
+    return buckets[pad:pad + n], signs[pad:pad + n]
+
+
+def project_out_sketch(values: torch.Tensor, param_index: int, start: int, nonce: str | bytes | int,
+                       k: int = DEFAULT_K) -> torch.Tensor:
+    """The orthogonal projection of ``values`` (elements ``start ...`` of parameter
+    ``param_index``) onto the null space of their range sketch under ``nonce``.
+
+    Each bucket b of the sketch reads the signed sum of its elements, so the rows of the
+    projection have disjoint supports; removing ``sign_n * (sum_{m in b} sign_m * values_m) / |b|``
+    from every element n of b zeroes each signed sum and changes nothing orthogonal to it.
+
+    This is what a cheater can craft when the seed is public (the epoch's work nonce is): any
+    vector it adds after this projection leaves every public range sketch unchanged, so claims,
+    binding checks and page audits cannot see it, while it is almost all of the vector (k of
+    the n dimensions are removed). Only a sketch under a seed the cheater does not know when it
+    sends can catch such a change: why the protocol needs a secret one.
+    Returns the input's dtype, on its device (computed in float64 on CPU).
+    """
+    flat = values.detach().reshape(-1)
+    x = flat.to(device="cpu", dtype=torch.float64).numpy()
+    buckets, signs = sketch_buckets(x.size, param_index, start, nonce, k)
+    signed_sums = np.bincount(buckets, weights=signs * x, minlength=k)
+    sizes = np.maximum(np.bincount(buckets, minlength=k), 1)  # empty buckets are never indexed
+    projected = x - signs * (signed_sums / sizes)[buckets]
+    return torch.from_numpy(projected).to(device=flat.device, dtype=values.dtype).reshape(values.shape)
