@@ -142,6 +142,10 @@ class ValidatorConfig:
     pages_per_query: int = _f(2, "Data pages a Train query asks a miner to train on.", min=1, max=1024)
     audit_pages: int = _f(1, "Committed pages of each miner's round contribution the validator recomputes "
                           "(chosen after the miner committed; docs/scoring.md).", min=0, max=1024)
+    batch_audit_probability: float = _f(0.25, "Chance per round and miner that the validator recomputes the "
+                                        "miner's whole committed batch and checks what it sent against it under "
+                                        "a seed drawn after the round (docs/scoring.md, \"Round audit\").",
+                                        min=0.0, max=1.0)
     recompute_fraction: float = _f(0.5, "Fraction of reported micro-batches the validator recomputes.", min=0.0, max=1.0)
     round_interval_s: float = _f(60.0, "Rounds start at multiples of this many seconds of UNIX time and begin "
                                  "their all-reduce half-way through: a shared clock, so independent validators "

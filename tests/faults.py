@@ -38,6 +38,12 @@ class FaultInjection:
     # as a reducer, leave the sender with this peer id out of every combination (weight 0), and
     # say so in the account: a result the claims explain, but not the rule
     drop_sender: Optional[str] = None
+    # as a reducer, return each averaged part reflected through its public sketch's null space
+    # (about negated, every public check unchanged: dtrain.neurons.adversary.nullspace_reduced)
+    nullspace_results: bool = False
+    # send each part reflected through its public sketch's null space, after committing the
+    # digests of the honest bytes (its claims still match): other bytes than committed
+    nullspace_parts: bool = False
 
 
 class FaultyRunner(CheckedRunner):
@@ -58,8 +64,16 @@ class FaultyRunner(CheckedRunner):
             self.sender_weights[self.sender_ids.index(self.fault.drop_sender)] = 0.0
         return super().new_reducer(part_shapes, num_senders)
 
+    def _nullspace(self, values, global_part: int):
+        from dtrain.neurons.adversary import nullspace_reduced
+
+        param, start, _ = self.layout.parts[global_part]
+        return nullspace_reduced(values, param, start, self.claims_nonce).to(values.dtype)
+
     def serialized_average(self, part_index: int, averaged, compression):
         fault = self.fault
+        if fault.nullspace_results:
+            averaged = self._nullspace(averaged, self.first_part + part_index)
         if fault.scale_results != 1.0 or fault.noise_results:
             altered = averaged * fault.scale_results
             if fault.noise_results:
@@ -85,6 +99,9 @@ class FaultyRunner(CheckedRunner):
             if fault.scale_parts != 1.0:
                 part = deserialize_part(msg.tensor_part)
                 msg.tensor_part.CopyFrom(serialize_part(part * fault.scale_parts, msg.tensor_part.compression))
+            if fault.nullspace_parts:
+                part = self._nullspace(deserialize_part(msg.tensor_part), self.share_of(peer_index)[0] + sent - 1)
+                msg.tensor_part.CopyFrom(serialize_part(part, msg.tensor_part.compression))
             yield msg
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
 from dtrain.api.messages import (
-    AllReduceRequest, AllReduceResponse, Message, PayloadError, StatusResponse, TrainRequest, TrainResponse,
+    AllReduceRequest, AllReduceResponse, Message, PayloadError, RoundAuditRequest, RoundAuditResponse,
+    StatusResponse, TrainRequest, TrainResponse,
 )
 
 M = TypeVar("M", bound=Message)
@@ -315,6 +316,13 @@ class MinerClient:
         """POST /v1/allreduce; the miner's answer when its round is over, parsed."""
         answer = self._json_call(api, miner_hotkey, "POST", "/v1/allreduce", request.to_json(), timeout)
         return self._typed(answer, AllReduceResponse, api)
+
+    def round_audit(self, api: str, miner_hotkey: str, request: RoundAuditRequest, *,
+                    timeout: Optional[float] = None) -> RoundAuditResponse:
+        """POST /v1/round-audit: the miner's sketches of its last round's parts under our seed
+        (or, with ``request.part``, that part's wire bytes), parsed."""
+        answer = self._json_call(api, miner_hotkey, "POST", "/v1/round-audit", request.to_json(), timeout)
+        return self._typed(answer, RoundAuditResponse, api)
 
     def metrics(self, api: str, *, timeout: Optional[float] = None) -> str:
         def read(response: http.client.HTTPResponse, url: str, deadline: float) -> str:

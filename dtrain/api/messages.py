@@ -247,6 +247,15 @@ DIGEST = Text(r"[0-9a-f]{1,64}", "lower-case hex of 1-64 digits", 64)
 PEER_ID = Text(r".{1,128}", "a peer id of 1-128 chars", 128)
 ROUND_ID = Text(r"[A-Za-z0-9._:-]{1,128}", "1-128 chars of [A-Za-z0-9._:-]", 128)
 EPOCH = Integer(0, MAX_JSON_INT)
+# The secret-seed round audit (dtrain.swarm.averaging.audit; its MAX_AUDIT_PARTS, repeated here
+# because this module imports only the standard library)
+MAX_AUDIT_PARTS = 32768
+MAX_AUDIT_BYTES = 8 << 20  # decoded bytes in one answer: within the client's 16 MiB JSON limit as base64
+
+
+def base64_of(max_bytes: int) -> Text:
+    """Standard base64 (with padding) of at most ``max_bytes`` bytes."""
+    return Text(r"[A-Za-z0-9+/]*={0,2}", f"base64 of at most {max_bytes} bytes", 4 * ((max_bytes + 2) // 3))
 
 
 def wire(rule: Rule, doc: str, *, optional: bool = False, nullable: bool = False) -> Any:
@@ -402,6 +411,9 @@ class AllReduceRequest(Message):
         "without it every peer gets `weight_cap`.", optional=True)
     params_digest: str | None = wire(DIGEST, "The validator's parameter digest (informational; a lagging miner "
                                      "catches up to a peer's state at `epoch`).", optional=True)
+    refused: tuple | None = wire(ListOf(PEER_ID, 64), "Peers that failed this validator's secret-seed round audit "
+                                 "lately: the miner names them as refused reducers in its gather (they are "
+                                 "benched when most of the group does).", optional=True)
 
 
 @dataclass(frozen=True)
@@ -479,6 +491,28 @@ class StatusResponse(Message):
 
 
 @dataclass(frozen=True)
+class RoundAuditRequest(Message):
+    """After a round: the sketches of what the miner sent in it, under a seed drawn after the round."""
+
+    group: str = wire(Text(r"[0-9a-f]{1,128}", "lower-case hex of 1-128 digits", 128),
+                      "The round's group id (the `round_id` of both records).")
+    seed: str = wire(Text(r"[0-9a-f]{64}", "64 lower-case hex digits", 64),
+                     "The validator's audit seed: 32 bytes drawn after the round ended.")
+    part: int | None = wire(Integer(0, MAX_AUDIT_PARTS - 1), "With it: the wire bytes of this one part instead "
+                            "of the sketches (a dispute).", optional=True)
+
+
+@dataclass(frozen=True)
+class RoundAuditResponse(Message):
+    """What the miner sent in the round, under the audit's seed (or one part's bytes)."""
+
+    parts: int = wire(Integer(1, MAX_AUDIT_PARTS), "How many parts the miner's contribution has.")
+    sketches: str | None = wire(base64_of(MAX_AUDIT_BYTES), "Little-endian float32 [parts, 64]: each part's "
+                                "sketch under the seed, as a receiver decodes it.", optional=True)
+    wire: str | None = wire(base64_of(MAX_AUDIT_BYTES), "The part's wire bytes (with `part`).", optional=True)
+
+
+@dataclass(frozen=True)
 class ErrorResponse(Message):
     """Every error response."""
 
@@ -488,7 +522,7 @@ class ErrorResponse(Message):
 
 MESSAGES: tuple[type[Message], ...] = (
     TrainRequest, MicroBatchReport, TrainResponse, AllReduceRequest, AllReduceResponse, StateSliceRequest,
-    StatusResponse, ErrorResponse,
+    RoundAuditRequest, RoundAuditResponse, StatusResponse, ErrorResponse,
 )
 
 

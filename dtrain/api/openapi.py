@@ -8,8 +8,8 @@ describe a field the code does not parse, or miss one it does.
 from __future__ import annotations
 
 from dtrain.api.messages import (
-    API_VERSION, MESSAGES, AllReduceRequest, AllReduceResponse, ErrorResponse, Message, StateSliceRequest,
-    StatusResponse, TrainRequest, TrainResponse,
+    API_VERSION, MESSAGES, AllReduceRequest, AllReduceResponse, ErrorResponse, Message, RoundAuditRequest,
+    RoundAuditResponse, StateSliceRequest, StatusResponse, TrainRequest, TrainResponse,
 )
 
 # The signed endpoints' error statuses, in pipeline order (docs/protocol.md, section 3).
@@ -90,6 +90,8 @@ def openapi_document(*, max_body_bytes: int, max_slice_bytes: int) -> dict:
                                                          "content": _json(StatusResponse)}}}},
             "/v1/train": signed_json("Train challenge", TrainRequest, TrainResponse),
             "/v1/allreduce": signed_json("Join an all-reduce round", AllReduceRequest, AllReduceResponse),
+            "/v1/round-audit": signed_json("The secret-seed audit of the last round", RoundAuditRequest,
+                                           RoundAuditResponse),
             "/v1/state-slice": {
                 "get": {"summary": "download a slice of model state (bandwidth check)",
                         "security": [{"btauth": []}], "parameters": auth + slice_query, "responses": slice_ok},

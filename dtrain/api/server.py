@@ -34,8 +34,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dtrain.api.messages import (
-    API_VERSION, AllReduceRequest, AllReduceResponse, Message, PayloadError, QueryLimits, StateSliceRequest,
-    StatusResponse, TrainRequest, TrainResponse,
+    API_VERSION, AllReduceRequest, AllReduceResponse, Message, PayloadError, QueryLimits, RoundAuditRequest,
+    RoundAuditResponse, StateSliceRequest, StatusResponse, TrainRequest, TrainResponse,
 )
 from dtrain.api.openapi import openapi_document
 from dtrain.pools import full_thread_pool
@@ -50,6 +50,7 @@ _ENDPOINTS = {
     "/v1/train": "train",
     "/v1/allreduce": "allreduce",
     "/v1/state-slice": "state_slice",
+    "/v1/round-audit": "round_audit",
     "/metrics": "metrics",
     "/v1/openapi.json": "openapi",
 }
@@ -75,6 +76,8 @@ class Handlers:
     train: Callable[[TrainRequest, str], TrainResponse]
     allreduce: Callable[[AllReduceRequest, str], AllReduceResponse]
     state_slice: Callable[..., bytes]  # (offset, length, (epoch, snapshot step) or None for the live parameters)
+    # the secret-seed audit of the miner's last round (None: 404, a neuron that keeps nothing)
+    round_audit: Optional[Callable[[RoundAuditRequest, str], RoundAuditResponse]] = None
 
 
 class _Reject(Exception):
@@ -170,6 +173,8 @@ class MinerApiServer:
         app.router.add_get("/v1/status", self._status)
         app.router.add_post("/v1/train", self._signed_json("train", TrainRequest, TrainResponse))
         app.router.add_post("/v1/allreduce", self._signed_json("allreduce", AllReduceRequest, AllReduceResponse))
+        app.router.add_post("/v1/round-audit", self._signed_json("round_audit", RoundAuditRequest,
+                                                                 RoundAuditResponse))
         app.router.add_get("/v1/state-slice", self._state_slice)
         app.router.add_post("/v1/state-slice", self._state_slice)
         app.router.add_get("/metrics", self._metrics)
@@ -284,7 +289,10 @@ class MinerApiServer:
             caller = await self._authenticate(request, raw)
             payload = self._parse_json(request, raw)
             message = self._checked(lambda: request_type.parse(payload))
-            result = await self._run(self._heavy, getattr(self.handlers, name), message, caller)
+            handler = getattr(self.handlers, name)
+            if handler is None:
+                raise _Reject(404, f"this neuron does not serve {request.path}")
+            result = await self._run(self._heavy, handler, message, caller)
             if not isinstance(result, response_type):
                 raise TypeError(f"{name} handler must return a {response_type.__name__}")
             return web.json_response(result.to_json())

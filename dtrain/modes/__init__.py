@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from dtrain.config import Config
-from dtrain.modes.base import AuditRequest, Contribution, Mode, ModeSettings, NoSnapshots, PageTrained, Progress
+from dtrain.modes.base import (
+    AuditRequest, Contribution, Mode, ModeSettings, NoSnapshots, PageTrained, Progress, SentSketches,
+)
 from dtrain.modes.diloco import DiLoCo
 from dtrain.modes.per_step import PerStep
 
@@ -44,6 +46,7 @@ def build_mode(cfg: Config, model, device: str, reader, fused: bool | None = Non
 __all__ = [
     "MODES",
     "AuditRequest",
+    "SentSketches",
     "Contribution",
     "DiLoCo",
     "Mode",

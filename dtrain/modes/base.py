@@ -56,6 +56,8 @@ class ModeSettings:
     outer_momentum: float
     # validating: committed pages recomputed per miner and round (per-step mode)
     audit_pages: int
+    # validating: the chance a miner's whole batch is recomputed in a round's secret-seed audit
+    batch_audit_probability: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModeSettings:
@@ -65,7 +67,8 @@ class ModeSettings:
                    lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, total_steps=t.total_steps,
                    grad_clip=t.grad_clip or None, precision=t.precision, inner_steps=a.diloco_inner_steps,
                    inner_warmup=a.diloco_inner_warmup, snapshot_every=a.diloco_snapshot_every,
-                   outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, audit_pages=cfg.validator.audit_pages)
+                   outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, audit_pages=cfg.validator.audit_pages,
+                   batch_audit_probability=cfg.validator.batch_audit_probability)
 
     def local_trainer_config(self, device: str, fused: bool | None = None):
         """The trainer of the local steps. ``fused`` None: torch's fused AdamW on CUDA only."""
@@ -121,6 +124,20 @@ class AuditRequest:
     uid: int
     report: Any
     read_snapshot: SnapshotReader | None = None  # DiLoCo replays download a snapshot through it
+    # what the round's secret-seed audit confirmed the miner sent (dtrain.swarm.averaging.audit)
+    sent: SentSketches | None = None
+
+
+@dataclass(frozen=True)
+class SentSketches:
+    """A miner's sketches of what it sent, under the round audit's secret nonce, and the parts
+    whose sketches the audit confirmed (against a result that adds up, or the bytes)."""
+
+    nonce: str
+    sketches: Any  # numpy float32 [num_parts, k]
+    confirmed: frozenset[int]
+    layout: Any  # dtrain.swarm.averaging.contribution.PartLayout
+    rtol: float  # the wire codec's tolerance (contribution.binding_rtol)
 
 
 class NoSnapshots:

@@ -177,7 +177,9 @@ class DiLoCo(Mode):
 
     def audit(self, requests: Sequence[AuditRequest], *, epoch: int, rng: random.Random) -> list:
         """Check each miner's committed inner steps, and replay a random stretch of them from the
-        snapshot before it (docs/protocol.md, "DiLoCo")."""
+        snapshot before it (docs/protocol.md, "DiLoCo"); with ``batch_audit_probability``, replay
+        all of them and check the pseudo-gradient the miner sent against the replay under the
+        round audit's secret seed (``req.sent``; dtrain.swarm.averaging.audit.batch_problem)."""
         from dtrain.training.fingerprint import gradient_sketch
         from dtrain.training.replica import sketch_distance, within_tolerance
         from dtrain.training.work import WORK_SKETCH_K, work_nonce
@@ -217,15 +219,30 @@ class DiLoCo(Mode):
                              req.uid, epoch)
             audits, first = [], 0
             if not problem:
-                problem, audits, first = self.replay_stretch(req, epoch=epoch, rng=rng, nonce=nonce)
+                whole = req.sent is not None and rng.random() < s.batch_audit_probability
+                segment = (0, len(report.steps)) if whole else None
+                problem, audits, first, start = self.replay_stretch(req, epoch=epoch, rng=rng, nonce=nonce,
+                                                                    segment=segment)
+                if whole and not problem and all(a.passed for a in audits):
+                    problem = self._batch_problem(start, req.sent)
             verdicts.append(judge_trajectory(report, expected_epoch=epoch, problem=problem, audits=audits,
                                              first_step=first))
         return verdicts
 
-    def replay_stretch(self, req: AuditRequest, *, epoch: int, rng: random.Random, nonce: str):
-        """Download the snapshot before a randomly chosen step, check it against its commitment
-        and replay up to that step on the inner copy. Returns (problem, step audits, first
-        replayed step - 1)."""
+    def _batch_problem(self, start, sent) -> str:
+        """"" when the pseudo-gradient of the replayed trajectory (``start``, the parameters it
+        started from, minus where the replay ended) is what the miner sent (audit.batch_problem)."""
+        from dtrain.swarm.averaging.audit import batch_problem
+
+        pseudo = [(a.detach().float() - p.detach().float()).cpu() for a, p in zip(start, self.inner.params)]
+        return batch_problem(pseudo, sent)
+
+    def replay_stretch(self, req: AuditRequest, *, epoch: int, rng: random.Random, nonce: str,
+                       segment: tuple[int, int] | None = None):
+        """Download the snapshot before a randomly chosen step (or before ``segment``: (first,
+        last) steps, as choose_replay_segment gives them), check it against its commitment and
+        replay up to that step on the inner copy. Returns (problem, step audits, first replayed
+        step - 1, the snapshot's parameters the replay started from; None when it did not)."""
         from dtrain.training import snapshots
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints, gradient_sketch
         from dtrain.training.replay import replay_steps
@@ -235,7 +252,7 @@ class DiLoCo(Mode):
         )
 
         report, inner = req.report, self.inner
-        first, target = choose_replay_segment(len(report.steps), report.every, rng)
+        first, target = segment if segment is not None else choose_replay_segment(len(report.steps), report.every, rng)
         commit = report.snapshot_at(first)
         try:
             data = self._download_snapshot(req, epoch, first)
@@ -243,19 +260,19 @@ class DiLoCo(Mode):
         except snapshots.SnapshotError as exc:
             # A miner that cannot serve what it committed is treated as having made it up: one
             # that could choose when to fail would dodge exactly the audits it fears.
-            return f"snapshot at inner step {first} not served ({exc})", [], first
+            return f"snapshot at inner step {first} not served ({exc})", [], first, None
         except TimeoutError as exc:
-            return f"snapshot at inner step {first} {exc}", [], first
+            return f"snapshot at inner step {first} {exc}", [], first, None
         measured = gradient_sketch(params, nonce, k=WORK_SKETCH_K).tolist()
         if sketch_mismatch(report.params_sketch_after(first), measured, SNAPSHOT_RTOL):
-            return f"snapshot at inner step {first} is not the committed parameters", [], first
+            return f"snapshot at inner step {first} is not the committed parameters", [], first, None
 
         def moments_differ(committed, exp_avg, exp_avg_sq, rtol: float, under: str = nonce) -> bool:
             return any(sketch_mismatch(want, gradient_sketch(got, under, k=WORK_SKETCH_K).tolist(), rtol)
                        for want, got in ((committed.exp_avg, exp_avg), (committed.exp_avg_sq, exp_avg_sq)))
 
         if report.t0 + first > 0 and moments_differ(commit, exp_avg, exp_avg_sq, SNAPSHOT_RTOL):
-            return f"snapshot at inner step {first} is not the committed optimizer state", [], first
+            return f"snapshot at inner step {first} is not the committed optimizer state", [], first, None
         snapshots.load_inner_state(inner, params, exp_avg, exp_avg_sq, report.t0 + first)
         s = self.settings
         replayed = replay_steps(inner, report.steps[first:target], first_step=first, epoch=epoch,
@@ -276,15 +293,15 @@ class DiLoCo(Mode):
             _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
             if moments_differ(following, exp_avg, exp_avg_sq, MOMENTS_RTOL):
                 return (f"the optimizer state committed at inner step {target} is not what steps {first + 1}-{target} "
-                        "produce"), audits, first
+                        "produce"), audits, first, params
         elif target == len(report.steps) and report.carry is not None and all(a.passed for a in audits):
             # The last stretch ends where the carry was committed (under the next epoch's nonce):
             # the moments the next epoch may start from must be the ones these steps produce.
             _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
             if moments_differ(report.carry, exp_avg, exp_avg_sq, MOMENTS_RTOL, work_nonce(s.run_id, epoch + 1)):
                 return (f"the moments carried into the next epoch are not what steps {first + 1}-{target} "
-                        "produce"), audits, first
-        return "", audits, first
+                        "produce"), audits, first, params
+        return "", audits, first, params
 
     def _download_snapshot(self, req: AuditRequest, epoch: int, step: int) -> bytearray:
         """The snapshot's bytes, chunk by chunk within the time budget (TimeoutError past it)."""

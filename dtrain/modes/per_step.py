@@ -8,6 +8,7 @@ those pages. A validator recomputes randomly chosen committed pages on the pre-s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -82,7 +83,9 @@ class PerStep(Mode):
 
     def audit(self, requests: Sequence[AuditRequest], *, epoch: int, rng: random.Random) -> list:
         """Check each report's page ids against the assignment and recompute randomly chosen
-        committed pages on the pre-step replica."""
+        committed pages on the pre-step replica; with ``batch_audit_probability``, recompute the
+        whole committed batch and check what the miner sent against it under the round audit's
+        secret seed (``req.sent``; dtrain.swarm.averaging.audit.batch_problem)."""
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
         from dtrain.training.trainer import recompute_page_work
         from dtrain.training.work import WORK_SKETCH_K, work_nonce
@@ -105,5 +108,26 @@ class PerStep(Mode):
                                                     precision=self.trainer.precision, k=WORK_SKETCH_K)
                     claimed = Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples)
                     audits.append(page_audit(entry, compare_fingerprints(claimed, reference)))
-            verdicts.append(judge_work(report, id_problem, audits, expected_epoch=epoch))
+            verdict = judge_work(report, id_problem, audits, expected_epoch=epoch)
+            if verdict.passed and req.sent is not None and rng.random() < self.settings.batch_audit_probability:
+                problem = self._batch_problem(report, req.sent)
+                if problem:
+                    verdict = dataclasses.replace(verdict, problem=problem)
+            verdicts.append(verdict)
         return verdicts
+
+    def _batch_problem(self, report, sent) -> str:
+        """Recompute every committed page; "" when the mean gradient they give is what the miner
+        sent, under the round audit's secret seed (audit.batch_problem)."""
+        from dtrain.swarm.averaging.audit import batch_problem
+        from dtrain.training.trainer import summed_gradients
+
+        total: list = [None] * len(self.trainer.params)
+        samples = 0
+        for entry in report.pages:
+            _, _, n = summed_gradients(self.trainer.model, self.reader.read_pages([entry.page]),
+                                       micro_batch_size=self.settings.micro_batch_size,
+                                       precision=self.trainer.precision, into=total)
+            samples += n
+        mean = [None if g is None else g.float().div(max(samples, 1)).cpu() for g in total]
+        return batch_problem(mean, sent)

@@ -26,7 +26,8 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 
 from dtrain import __version__
 from dtrain.api.messages import (
-    AllReduceRequest, AllReduceResponse, MicroBatchReport, StatusResponse, TrainRequest, TrainResponse,
+    AllReduceRequest, AllReduceResponse, MicroBatchReport, RoundAuditRequest, RoundAuditResponse, StatusResponse,
+    TrainRequest, TrainResponse,
 )
 from dtrain.config import Config
 from dtrain.neurons.base import CATCH_UP_TIMEOUT_S, CatchUpTarget, NeuronBase
@@ -142,7 +143,7 @@ class Miner(NeuronBase):
         a = self.cfg.api
         self.server = MinerApiServer(
             Handlers(status=self._status, train=self._train, allreduce=self._allreduce,
-                     state_slice=self._state_slice),
+                     state_slice=self._state_slice, round_audit=self._round_audit),
             self_hotkey=self.hotkey, is_allowed=ValidatorPermits(self.chain, refresh_s=30.0),
             host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
             limits=QueryLimits(max_pages=MAX_QUERY_PAGES, max_deadline_s=max_accepted_deadline_s(self.cfg.allreduce)),
@@ -405,6 +406,26 @@ class Miner(NeuronBase):
             future.cancel()
             raise HandlerError(503, "round did not finish in time") from None
 
+    def _round_audit(self, request: RoundAuditRequest, caller: str) -> RoundAuditResponse:
+        """The secret-seed audit of our last round (dtrain.swarm.averaging.audit): what we sent,
+        sketched under the validator's seed, or one part's wire bytes for a dispute. 404 when
+        that round is not the one we kept (only the last is)."""
+        import base64
+
+        from dtrain.api.server import HandlerError
+        from dtrain.swarm.averaging.audit import audit_nonce
+
+        sent = getattr(self.swarm, "last_sent", None)
+        if sent is None or not sent.round_id or sent.round_id != request.group:
+            raise HandlerError(404, f"no committed round {request.group} kept here (only the last round is)")
+        parts = len(sent.layout)
+        if request.part is not None:
+            if request.part >= parts:
+                raise HandlerError(422, f"field 'part' must be below {parts}")
+            return RoundAuditResponse(parts=parts, wire=base64.b64encode(sent.wire(request.part)).decode())
+        sketches = sent.sketches(audit_nonce(bytes.fromhex(request.seed)))
+        return RoundAuditResponse(parts=parts, sketches=base64.b64encode(sketches.tobytes()).decode())
+
     def _catch_up_if_behind(self, epoch: int, sketch) -> None:
         """A validator queried a later epoch: schedule a catch-up to its state (within tolerance)."""
         if epoch > self.epoch:
@@ -482,6 +503,9 @@ class Miner(NeuronBase):
         peer_caps = request.weight_caps or {}
         default_cap = 0.0 if peer_caps else request.weight_cap
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "weight": weight})
+        if request.refused:
+            # a validator's round audit caught them: we vote to bench them as reducers
+            self.swarm.name_refused(request.refused)
         record = self.swarm.run_round(mean, weight=weight, cap=default_cap,
                                       tokens=samples * self.cfg.model.seq_len,
                                       timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop,

@@ -11,7 +11,9 @@ Phase by phase, what each reads -> what it writes on each miner's :class:`Probe`
 - ``verify``: recomputed micro-batches of each Train answer -> ``checks``, ``note``;
 - ``allreduce_request``, ``allreduce``: the round, joined with weight 0 -> ``allreduce``;
   returns the round's record and the averaged tensors;
-- ``audit``: the work each miner committed in the round -> ``work``, ``note``;
+- ``round_audit``: what each member sent and returned, under a seed drawn after the round
+  -> ``round_audit``, ``sent``;
+- ``audit``: the work each miner committed in the round (and ``round_audit``'s findings) -> ``work``, ``note``;
 - ``update_probation``: the audits -> ``note``; returns the new probation map;
 - ``assess``: all of it -> ``outcome``, ``note``; returns the scoring inputs.
 
@@ -61,6 +63,8 @@ class Probe:
     allreduce: AllReduceResponse | None = None
     allreduce_error: str = ""
     work: object | None = None  # its WorkVerdict (dtrain.validation.verification), after the audit
+    round_audit: str = ""  # why it failed the round's secret-seed audit ("" when it did not)
+    sent: object | None = None  # modes.SentSketches: what that audit confirmed it sent
     outcome: str = ""
 
     @classmethod
@@ -247,15 +251,18 @@ def _verify_one(p: Probe, bench, cfg, challenge: Challenge) -> None:
 # ------------------------------------------------------------------ the all-reduce
 
 def allreduce_request(probes: list[Probe], *, run_id: str, epoch: int, round_no: int, digest: str,
-                      weight_cap: float, deadline_s: float, probation: dict[str, int]) -> AllReduceRequest:
-    """The AllReduce query, with each miner's weight cap: what we verified (round_rules.may_contribute)."""
+                      weight_cap: float, deadline_s: float, probation: dict[str, int],
+                      refused: tuple = ()) -> AllReduceRequest:
+    """The AllReduce query, with each miner's weight cap: what we verified (round_rules.may_contribute),
+    and the peers our round audits caught lately (``refused``: the miners vote to bench them)."""
     from dtrain.validation.verification import weight_caps
 
     caps = weight_caps({p.peer_id: round_rules.may_contribute(p.checks, shared_peer_id=p.shared_peer_id,
                                                               probation=probation, hotkey=p.hotkey, round_no=round_no)
                         for p in probes}, weight_cap)
     return AllReduceRequest(round_id=f"{run_id}-{epoch}-{round_no}", epoch=epoch, weight_cap=weight_cap,
-                            deadline_s=deadline_s, weight_caps=caps, params_digest=digest)
+                            deadline_s=deadline_s, weight_caps=caps, params_digest=digest,
+                            refused=tuple(refused)[:64] or None)
 
 
 def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, zeros: list, fellows: set[str],
@@ -286,15 +293,95 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
 
 # ------------------------------------------------------------------ after the all-reduce
 
+def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=None, timeout_s: float = 60.0):
+    """The secret-seed audit of the round (dtrain.swarm.averaging.audit): draw a seed now, after
+    every part was sent and every result returned; ask every miner of the group for its parts'
+    sketches under it; check every part we applied against its reducer's account; settle what
+    does not add up with the parts' committed bytes. Sets ``round_audit`` on the miners at fault
+    and ``sent`` (what the audit confirmed) on the others, for the mode's batch audit. Returns
+    the AuditResult (None when the round left no evidence: no group, or no commitments).
+
+    ``others``: peer id -> (api, hotkey) of miners we did not probe (other validators' picks);
+    those in the group are asked too, so the parts they are in can be checked, and the ones at
+    fault are in the result (we tell the miners to bench them) though we score only our probes."""
+    import base64
+
+    import numpy as np
+
+    from dtrain.api.client import ApiError
+    from dtrain.api.messages import RoundAuditRequest
+    from dtrain.modes import SentSketches
+    from dtrain.swarm.averaging.audit import audit_nonce, audit_round, draw_seed
+    from dtrain.swarm.averaging.contribution import binding_rtol
+
+    evidence = getattr(record, "evidence", None)
+    if evidence is None or not record.round_id:
+        return None
+    seed = draw_seed()
+    nonce = audit_nonce(seed)
+    members = {p.peer_id: p for p in probes if p.peer_id in evidence.senders and not p.shared_peer_id}
+    probed = {p.peer_id for p in probes}
+    where = {peer: (p.api, p.hotkey) for peer, p in members.items()}
+    where.update({peer: tuple(at) for peer, at in (others or {}).items()
+                  if peer in evidence.senders and peer not in probed and peer != swarm.peer_id})
+    reports: dict = {}
+
+    def ask(at):
+        api, hotkey = at
+        try:
+            answer = client.round_audit(api, hotkey, RoundAuditRequest(group=record.round_id, seed=seed.hex()),
+                                        timeout=timeout_s)
+            data = base64.b64decode(answer.sketches or "", validate=True)
+        except (ApiError, ValueError):
+            return None
+        if len(data) != answer.parts * 4 * 64:
+            return np.zeros((answer.parts, 0), dtype="<f4")  # the wrong size: audit_round names it
+        return np.frombuffer(data, dtype="<f4").reshape(answer.parts, 64)
+
+    if where:
+        with ThreadPoolExecutor(max_workers=min(16, len(where))) as pool:
+            for peer, sketches in zip(where, pool.map(ask, where.values())):
+                reports[peer] = sketches
+    own = getattr(swarm, "last_sent", None)
+    if own is not None and own.round_id == record.round_id:
+        reports[swarm.peer_id] = own.sketches(nonce)
+
+    def fetch(peer: str, part: int):
+        if peer == swarm.peer_id:
+            return own.wire(part) if own is not None else None
+        if peer not in where:
+            return None
+        api, hotkey = where[peer]
+        try:
+            answer = client.round_audit(api, hotkey, RoundAuditRequest(group=record.round_id, seed=seed.hex(),
+                                                                      part=part), timeout=timeout_s)
+            return base64.b64decode(answer.wire or "", validate=True)
+        except (ApiError, ValueError):
+            return None
+
+    rtol = binding_rtol(record.compression)
+    result = audit_round(evidence, averaged, reports, nonce, rtol, fetch)
+    for peer, p in members.items():
+        if peer in result.problems:
+            p.round_audit = "round audit: " + result.problems[peer]
+        elif reports.get(peer) is not None:
+            p.sent = SentSketches(nonce=nonce, sketches=reports[peer], confirmed=frozenset(result.confirmed.get(peer, ())),
+                                  layout=evidence.layout, rtol=rtol)
+    return result
+
+
 def audit(client, mode, probes: list[Probe], record, epoch: int) -> None:
     """Audit every miner's committed work on the pre-step model (the mode decides how:
-    recomputed pages, or a replayed stretch of DiLoCo steps)."""
+    recomputed pages, or a replayed stretch of DiLoCo steps; a sampled per-step batch against
+    what the round audit confirmed it sent). A miner that failed the round audit fails this
+    audit too (the gate ``work_audit_failed``, and probation: docs/scoring.md)."""
     from dtrain.modes import AuditRequest
+    from dtrain.validation.verification import WorkVerdict
 
     # parsed and checked by the averager; a malformed one was refused in the gather
     audited = [p for p in probes if p.peer_id in record.work_reports and not p.shared_peer_id]
     requests = [AuditRequest(uid=p.uid, report=record.work_reports[p.peer_id],
-                             read_snapshot=snapshot_reader(client, p.target)) for p in audited]
+                             read_snapshot=snapshot_reader(client, p.target), sent=p.sent) for p in audited]
     # Drawn now, after every miner committed in the gather, from a secret it never sees.
     rng = random.Random(secrets.randbits(64))
     for p, verdict in zip(audited, mode.audit(requests, epoch=epoch, rng=rng)):
@@ -303,6 +390,12 @@ def audit(client, mode, probes: list[Probe], record, epoch: int) -> None:
         p.work = verdict
         if not verdict.passed:
             p.note = verdict.problem
+    for p in probes:
+        if p.round_audit:
+            report = record.work_reports.get(p.peer_id)
+            p.work = WorkVerdict(committed_samples=int(report.samples) if report is not None else 0,
+                                 problem=p.round_audit)
+            p.note = p.round_audit
 
 
 def snapshot_reader(client, target: Target):

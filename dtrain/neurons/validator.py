@@ -77,6 +77,9 @@ class Validator(NeuronBase):
         # Peer ids of the other validators met in our last round's group: named with the miners,
         # so the group forms once they are in too (docs/protocol.md, "Several validators").
         self._fellow_validators: set[str] = set()
+        # peer id -> rounds left that we tell the miners it failed our round audit (they then
+        # vote to bench it as a reducer; docs/protocol.md, "Round audit"); in memory only
+        self._audit_refused: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -210,6 +213,17 @@ class Validator(NeuronBase):
         # Audit the committed work on the pre-step replica, then take the round's step.
         self.tel.update(state=f"round {round_no}: auditing committed work")
         t0 = time.perf_counter()
+        from dtrain.swarm.averaging.audit import PROVEN_BENCH_ROUNDS
+        from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS
+
+        # The group's other miners (queried by other validators) are asked too, so a part that
+        # one of them is in can still be checked; validators are not asked (they keep nothing).
+        miners = {n.hotkey for n in neurons if not n.validator_permit}
+        others = {c.peer_id: (c.api, hotkey) for hotkey, c in commitments.items() if hotkey in miners}
+        found = phases.round_audit(self.client, self.swarm, probes, record, averaged, others=others)
+        self._audit_refused = {p: n - 1 for p, n in self._audit_refused.items() if n > 1}
+        for peer in (found.problems if found is not None else ()):
+            self._audit_refused[peer] = PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS
         phases.audit(self.client, self.bench.mode, probes, record, self.epoch)
         audit_s = time.perf_counter() - t0
         self.state.probation = phases.update_probation(probes, self.state.probation, round_no)
@@ -262,7 +276,8 @@ class Validator(NeuronBase):
         request = phases.allreduce_request(probes, run_id=self.bench.run_id, epoch=self.epoch, round_no=round_no,
                                            digest=self._digest, weight_cap=self.bench.mode.weight_cap,
                                            deadline_s=round_deadline_s(self.cfg.allreduce),
-                                           probation=self.state.probation)
+                                           probation=self.state.probation,
+                                           refused=tuple(sorted(self._audit_refused, key=lambda p: -self._audit_refused[p])))
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "miners": len(probes)})
         record, averaged = phases.allreduce(self.client, self.swarm, probes, request, zeros=self.zeros,
                                             fellows=self._fellow_validators,

@@ -86,6 +86,7 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     v = cfg.validator
     v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 1, 0.5
     v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
+    v.batch_audit_probability = 1.0
     if validators > 1:
         # Several validators meet in one all-reduce by starting it half-way through a shared
         # slot (docs/protocol.md): the slot must outlast their checks, or the faster one's

@@ -86,6 +86,9 @@ class RoundRecord:
     # peer id -> the WorkReport it committed in the gather (parsed and checked); for
     # validators' audits, kept out of logs and to_dict (it is large and other peers' data)
     work_reports: dict = field(default_factory=dict, repr=False, compare=False)
+    # what the secret-seed round audit reads (dtrain.swarm.averaging.audit.RoundEvidence): the
+    # accounts of the parts this peer applied; in memory only, like work_reports
+    evidence: Any = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -105,8 +108,9 @@ class RoundRecord:
         return None if result is None else result.outcome
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(replace(self, work_reports={}))  # not deep-copied just to be dropped
+        d = asdict(replace(self, work_reports={}, evidence=None))  # not deep-copied just to be dropped
         d.pop("work_reports")
+        d.pop("evidence")
         d["peers"] = [p.to_dict() for p in self.peers]
         return d
 

@@ -440,9 +440,20 @@ def recompute_page_work(
 
     Never changes the model's parameters or ``.grad``.
     """
+    total, loss_sum, samples = summed_gradients(model, input_ids, micro_batch_size=micro_batch_size,
+                                                precision=precision)
+    sketch = gradient_sketch(total, nonce, k=k)
+    return Fingerprint(loss=loss_sum / max(samples, 1), sketch=tuple(sketch.tolist()), samples=samples)
+
+
+def summed_gradients(model: torch.nn.Module, input_ids: torch.Tensor, *, micro_batch_size: int,
+                     precision: str = "fp32", into: list | None = None) -> tuple[list, float, int]:
+    """(sample-summed gradients per trainable parameter, summed loss, samples) of ``input_ids``,
+    split into micro-batches as the miner's trainer splits them; added into ``into`` when given
+    (a whole committed batch, page by page). Never changes the model's parameters or ``.grad``."""
     dev = next(model.parameters()).device
     params = trainable_parameters(model)
-    total: list[torch.Tensor | None] = [None] * len(params)
+    total: list[torch.Tensor | None] = into if into is not None else [None] * len(params)
     loss_sum, samples = 0.0, 0
     x_all = input_ids.to(dev)
     for start in range(0, x_all.shape[0], micro_batch_size):
@@ -453,8 +464,7 @@ def recompute_page_work(
                 total[i] = g if total[i] is None else total[i].add_(g)
         loss_sum += float(loss) * x.shape[0]
         samples += x.shape[0]
-    sketch = gradient_sketch(total, nonce, k=k)
-    return Fingerprint(loss=loss_sum / max(samples, 1), sketch=tuple(sketch.tolist()), samples=samples)
+    return total, loss_sum, samples
 
 
 def recompute_fingerprints(

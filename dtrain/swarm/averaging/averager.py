@@ -76,6 +76,7 @@ class SwarmAverager(AveragerProcess):
         self._assembly_claims: dict = {}  # member -> (its request, its decoded claim)
         self._layout_cache = None
         self._own_claims = None  # this step's claims [num_parts, k] (float32), kept out of the gather
+        self._own_digests = None  # and its parts' digests (32 bytes each)
         super().__init__(averaged_tensors, dht, matchmaking_key=matchmaking_key(kwargs["prefix"]), start=start,
                          **kwargs)
 
@@ -89,12 +90,13 @@ class SwarmAverager(AveragerProcess):
 
     def keep_private(self, user_gather):
         """Our claims stay here; the group gets only their tree's root (contribution.py)."""
-        self._own_claims = None
+        self._own_claims = self._own_digests = None
         if not isinstance(user_gather, dict) or group_rules.PRIVATE_KEY not in user_gather:
             return user_gather
         public = dict(user_gather)
         private = public.pop(group_rules.PRIVATE_KEY)
         self._own_claims = group_rules.private_claims(private)
+        self._own_digests = group_rules.private_digests(private)
         return public
 
     # -- early group formation -------------------------------------------------------------
@@ -150,7 +152,7 @@ class SwarmAverager(AveragerProcess):
             weight=plan.used[plan.me], sender_weights=plan.sender_weights, sender_norms=plan.sender_norms,
             max_norm=plan.max_norm, robust=plan.robust, sender_commitments=plan.sender_commitments,
             senders_with_claims=plan.senders_with_claims,
-            own_claims=self._own_claims if plan.committed[plan.me] else None,
+            own_claims=self._own_claims if plan.committed[plan.me] else None, own_digests=self._own_digests,
             claims_nonce=plan.claims_nonce, layout=layout,
             account_rtol=binding_rtol(str(plan.mine.get("comp", "none"))),
             require_commitments=bool(plan.mine.get("req")),

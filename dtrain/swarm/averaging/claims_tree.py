@@ -10,7 +10,12 @@ hands each reducer, at the head of its stream, the claims of that reducer's shar
 few nodes that prove them (:func:`range_proof`); the reducer checks them against the root
 (:func:`verify_range`). A peer's claims cost it O(parts + reducers · log parts) bytes in all.
 
-The tree: leaf i holds ``(sha256(b"dtrain-claim" || i || claim_i), claim_i as float64)``;
+Each leaf also binds the *digest* of the part's wire bytes (:func:`part_digest`): the claim
+says what the part's public sketch is, the digest which bytes the part is. A reducer checks
+both on every part it receives, so after the round the bytes a sender can show for a part are
+the bytes its reducer used: the evidence a secret-seed audit rests on (audit.py).
+
+The tree: leaf i holds ``(sha256(b"dtrain-claim" || i || digest_i || claim_i), claim_i as float64)``;
 an inner node holds ``(sha256(b"dtrain-node" || h_l || s_l || h_r || s_r), s_l + s_r)``; a level
 of odd length promotes its last node unchanged. The sums are float64 additions in a fixed
 order, so every peer recomputes the very same bits.
@@ -34,7 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 
 HASH_BYTES = 32
-_LEAF, _NODE = b"dtrain-claim", b"dtrain-node"
+_LEAF, _NODE, _PART = b"dtrain-claim", b"dtrain-node", b"dtrain-part"
+
+
+def part_digest(wire: bytes) -> bytes:
+    """The digest of a part's wire bytes (``Tensor.buffer``, after the wire codec)."""
+    return hashlib.sha256(_PART + bytes(wire)).digest()
 
 
 class ClaimsProofError(ValueError):
@@ -47,9 +57,9 @@ class Node:
     total: np.ndarray  # float64 [k]
 
 
-def _leaf(index: int, claim: np.ndarray) -> Node:
+def _leaf(index: int, claim: np.ndarray, digest: bytes) -> Node:
     c = np.ascontiguousarray(claim, dtype="<f4")
-    return Node(hashlib.sha256(_LEAF + struct.pack("<Q", index) + c.tobytes()).digest(), c.astype("<f8"))
+    return Node(hashlib.sha256(_LEAF + struct.pack("<Q", index) + digest + c.tobytes()).digest(), c.astype("<f8"))
 
 
 def _parent(left: Node, right: Node) -> Node:
@@ -57,8 +67,8 @@ def _parent(left: Node, right: Node) -> Node:
     return Node(digest, left.total + right.total)
 
 
-def _levels(claims: np.ndarray) -> list[list[Node]]:
-    level = [_leaf(i, c) for i, c in enumerate(claims)]
+def _levels(claims: np.ndarray, digests: np.ndarray) -> list[list[Node]]:
+    level = [_leaf(i, c, d.tobytes()) for i, (c, d) in enumerate(zip(claims, digests))]
     if not level:
         raise ValueError("a claims tree needs at least one part")
     levels = [level]
@@ -68,12 +78,25 @@ def _levels(claims: np.ndarray) -> list[list[Node]]:
     return levels
 
 
-class ClaimsTree:
-    """The tree over one peer's claims [num_parts, k] (float32)."""
+def as_digests(data, num_parts: int) -> np.ndarray:
+    """Part digests as a uint8 array [num_parts, HASH_BYTES] (None: all zero, for claims of
+    parts whose bytes nobody will check, as in tests of the sketches alone)."""
+    if data is None:
+        return np.zeros((num_parts, HASH_BYTES), dtype=np.uint8)
+    arr = np.frombuffer(bytes(data), dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else np.asarray(data)
+    if arr.size != num_parts * HASH_BYTES:
+        raise ValueError(f"{arr.size} digest bytes for {num_parts} parts")
+    return np.ascontiguousarray(arr, dtype=np.uint8).reshape(num_parts, HASH_BYTES)
 
-    def __init__(self, claims: np.ndarray):
+
+class ClaimsTree:
+    """The tree over one peer's claims [num_parts, k] (float32) and its parts' digests
+    [num_parts, 32] (part_digest; None: zeros)."""
+
+    def __init__(self, claims: np.ndarray, digests=None):
         self.claims = np.ascontiguousarray(claims, dtype="<f4")
-        self.levels = _levels(self.claims)
+        self.digests = as_digests(digests, self.claims.shape[0])
+        self.levels = _levels(self.claims, self.digests)
 
     @property
     def root(self) -> Node:
@@ -84,7 +107,7 @@ class ClaimsTree:
         return self.claims.shape[0]
 
     def range_proof(self, first: int, end: int) -> bytes:
-        """The claims of parts ``first .. end - 1`` and the nodes that prove them, as bytes."""
+        """The claims of parts ``first .. end - 1``, their digests and the nodes that prove them, as bytes."""
         if not 0 <= first < end <= self.num_parts:
             raise ValueError(f"no parts {first}..{end - 1} in a tree of {self.num_parts}")
         nodes = []
@@ -95,7 +118,8 @@ class ClaimsTree:
             if hi % 2 and hi < len(level):
                 nodes.append(level[hi])
             lo, hi = lo // 2, (hi + 1) // 2
-        return self.claims[first:end].tobytes() + b"".join(n.digest + n.total.tobytes() for n in nodes)
+        return (self.claims[first:end].tobytes() + self.digests[first:end].tobytes()
+                + b"".join(n.digest + n.total.tobytes() for n in nodes))
 
 
 def proof_nodes(first: int, end: int, num_parts: int) -> int:
@@ -109,20 +133,23 @@ def proof_nodes(first: int, end: int, num_parts: int) -> int:
 
 
 def proof_bytes(first: int, end: int, num_parts: int, k: int) -> int:
-    return (end - first) * k * 4 + proof_nodes(first, end, num_parts) * (HASH_BYTES + 8 * k)
+    return (end - first) * (k * 4 + HASH_BYTES) + proof_nodes(first, end, num_parts) * (HASH_BYTES + 8 * k)
 
 
 def verify_range(data: bytes, *, first: int, end: int, num_parts: int, k: int, root: bytes,
-                 total: np.ndarray) -> np.ndarray:
+                 total: np.ndarray, with_digests: bool = False):
     """The claims [end - first, k] of parts ``first .. end - 1`` that ``data`` proves against the
-    committed ``root`` hash and ``total`` sum; ClaimsProofError when it does not."""
+    committed ``root`` hash and ``total`` sum (with ``with_digests``: and their part digests
+    [end - first, 32], as a pair); ClaimsProofError when it does not."""
     if not 0 <= first < end <= num_parts:
         raise ClaimsProofError(f"no parts {first}..{end - 1} among {num_parts}")
     want = proof_bytes(first, end, num_parts, k)
     if len(data) != want:
         raise ClaimsProofError(f"claims proof has {len(data)} bytes, expected {want}")
-    head = (end - first) * k * 4
+    head = (end - first) * (k * 4 + HASH_BYTES)
     claims = np.frombuffer(data, dtype="<f4", count=(end - first) * k).reshape(end - first, k)
+    digests = np.frombuffer(data, dtype=np.uint8, count=(end - first) * HASH_BYTES,
+                            offset=(end - first) * k * 4).reshape(end - first, HASH_BYTES)
     if not np.isfinite(claims).all():
         raise ClaimsProofError("claims hold non-finite values")
     node_size = HASH_BYTES + 8 * k
@@ -133,7 +160,7 @@ def verify_range(data: bytes, *, first: int, end: int, num_parts: int, k: int, r
             raise ClaimsProofError("proof node holds non-finite sums")
         proof.append(Node(bytes(data[off:off + HASH_BYTES]), total_i))
     nodes = iter(proof)
-    current = [_leaf(first + i, c) for i, c in enumerate(claims)]
+    current = [_leaf(first + i, c, d.tobytes()) for i, (c, d) in enumerate(zip(claims, digests))]
     lo, hi, n = first, end, num_parts
     while n > 1:
         if lo % 2:
@@ -148,4 +175,4 @@ def verify_range(data: bytes, *, first: int, end: int, num_parts: int, k: int, r
     top = current[0]
     if top.digest != root or not np.array_equal(top.total, np.asarray(total, dtype="<f8")):
         raise ClaimsProofError("claims do not hash to the committed root")
-    return claims
+    return (claims, digests) if with_digests else claims

@@ -8,8 +8,9 @@ parts in order. It puts in its gather:
 
 * ``work``: its work report (``dtrain.training.work``): per page, the sketch of that page's
   gradient under the epoch's public work nonce;
-* ``root`` and ``total``: the root of a Merkle sum tree over its claims (claims_tree.py):
-  a 32-byte hash and the claims' sum, 64 float64. The claims themselves stay with the peer.
+* ``root`` and ``total``: the root of a Merkle sum tree over its claims and the digests of its
+  parts' wire bytes (claims_tree.py): a 32-byte hash and the claims' sum, 64 float64. The
+  claims themselves stay with the peer.
 
 Every peer checks, from the gather alone, that the claims add up to the report's mean
 sketch (``binding_error`` of ``total`` within ``BINDING_RTOL`` for the wire compression) and
@@ -17,7 +18,9 @@ that the weight claimed is at most the report's samples; a peer failing either i
 from the round like a wrong model. At the head of its stream to each reducer, a sender
 sends the claims of that reducer's share with the tree nodes that prove them against its
 root; the reducer refuses a sender whose proof does not check out, then checks every part
-it receives against its claim (``PART_RTOL``) and bans a sender whose part contradicts it.
+it receives against its claim (``PART_RTOL``) and its digest, and bans a sender whose part
+contradicts either: the bytes a sender committed are the bytes its reducer used, which the
+secret-seed round audit after the round rests on (audit.py).
 So a negated, zeroed, rescaled, noisy or replayed contribution is caught either in the
 gather (claims that are honest about what is sent) or by a reducer (claims that lie).
 A peer's claims cost O(parts + reducers x log parts) bytes on the wire, not O(members x
@@ -33,7 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from dtrain.swarm.averaging.claims_tree import HASH_BYTES, ClaimsTree, verify_range
+from dtrain.swarm.averaging.claims_tree import HASH_BYTES, ClaimsTree, part_digest, verify_range
 from dtrain.swarm.codecs import BLOCKWISE_ERROR_BOUND, canonical_compression
 from dtrain.training.fingerprint import range_sketch
 from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError
@@ -114,14 +117,50 @@ def as_received(part: torch.Tensor, compression) -> torch.Tensor:
     return deserialize_torch_tensor(serialize_torch_tensor(part, compression.compression_type))
 
 
+def wire_form(part: torch.Tensor, compression) -> tuple[bytes, torch.Tensor]:
+    """(the part's wire bytes, what a receiver decodes of them): the codec is deterministic, so
+    these are the bytes hivemind sends for the part."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+
+    wire = serialize_torch_tensor(part.detach(), compression.compression_type)
+    decoded = part if compression.compression_type == 0 else deserialize_torch_tensor(wire)
+    return bytes(wire.buffer), decoded
+
+
+def decode_wire(wire: bytes, length: int, compression) -> torch.Tensor:
+    """The float32 part of ``length`` values that ``wire`` (a part's wire bytes, sent with
+    ``compression``) decodes to; ValueError when the bytes are not such a part."""
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    message = runtime_pb2.Tensor(buffer=bytes(wire), size=[int(length)], dtype="float32",
+                                 compression=compression.compression_type)
+    try:
+        part = deserialize_torch_tensor(message)
+    except Exception as exc:  # the codecs raise several types on malformed buffers
+        raise ValueError(f"{type(exc).__name__}: {exc}"[:200]) from None
+    if part.numel() != length:
+        raise ValueError(f"{part.numel()} values, expected {length}")
+    return part.float()
+
+
+def commit_parts(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,
+                 k: int = WORK_SKETCH_K) -> tuple[np.ndarray, np.ndarray]:
+    """Per part, its claim (the range sketch as it will arrive) and the digest of its wire
+    bytes: float32 [num_parts, k] and uint8 [num_parts, 32]."""
+    claims = np.zeros((len(layout), k), dtype="<f4")
+    digests = np.zeros((len(layout), HASH_BYTES), dtype=np.uint8)
+    for g, (i, start, length) in enumerate(layout.parts):
+        wire, decoded = wire_form(tensors[i].detach().reshape(-1)[start:start + length], compression)
+        claims[g] = range_sketch(decoded, i, start, nonce, k=k).numpy()
+        digests[g] = np.frombuffer(part_digest(wire), dtype=np.uint8)
+    return claims, digests
+
+
 def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,
                    k: int = WORK_SKETCH_K) -> np.ndarray:
     """Per-part range sketches of ``tensors`` as they will arrive: float32 [num_parts, k]."""
-    out = np.zeros((len(layout), k), dtype="<f4")
-    for g, (i, start, length) in enumerate(layout.parts):
-        piece = tensors[i].detach().reshape(-1)[start:start + length]
-        out[g] = range_sketch(as_received(piece, compression), i, start, nonce, k=k).numpy()
-    return out
+    return commit_parts(tensors, layout, nonce, compression, k)[0]
 
 
 @dataclass
@@ -134,9 +173,10 @@ class Commitment:
     total: np.ndarray  # [k] float64: the sum of the claims, as the tree adds them
 
     @classmethod
-    def of_claims(cls, nonce: str, report, claims: np.ndarray) -> "Commitment":
-        """The commitment of a peer whose claims are ``claims`` [num_parts, k]."""
-        root = ClaimsTree(claims).root
+    def of_claims(cls, nonce: str, report, claims: np.ndarray, digests=None) -> "Commitment":
+        """The commitment of a peer whose claims are ``claims`` [num_parts, k] and whose parts'
+        digests are ``digests`` [num_parts, 32] (None: zeros)."""
+        root = ClaimsTree(claims, digests).root
         return cls(nonce=nonce, report=report, root=root.digest, total=root.total)
 
     @classmethod
@@ -168,11 +208,12 @@ class Commitment:
         return {"nonce": self.nonce, "work": self.report.to_wire(), "root": bytes(self.root),
                 "total": np.asarray(self.total, dtype="<f8").tobytes()}
 
-    def share_claims(self, data: bytes, *, first: int, end: int, num_parts: int) -> np.ndarray:
+    def share_claims(self, data: bytes, *, first: int, end: int, num_parts: int, with_digests: bool = False):
         """The claims of parts ``first .. end - 1`` that a sender's proof ``data`` shows to be
-        under this commitment (claims_tree.verify_range; ClaimsProofError when it does not)."""
+        under this commitment (with ``with_digests``: and the parts' digests, as a pair;
+        claims_tree.verify_range; ClaimsProofError when it does not)."""
         return verify_range(data, first=first, end=end, num_parts=num_parts, k=self.total.shape[0], root=self.root,
-                            total=self.total)
+                            total=self.total, with_digests=with_digests)
 
 
 # Why a peer of another epoch is refused (gather check; dtrain.swarm.averaging.group_rules).

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 from dtrain.swarm.averaging.assembly import EXPECT_KEY
 from dtrain.swarm.records import Outcome
 
-GATHER_VERSION = 2
+GATHER_VERSION = 3
 # A member that most of the group refused as a reducer (for what it returned) within this many
 # of their rounds reduces no share: it still sends, and is recorded FAIL while benched.
 BENCH_ROUNDS = 10
@@ -54,10 +54,11 @@ def schema_hash(tensors: Sequence[Any]) -> str:
 
 def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, norm: float, max_norm_ratio: float,
                 peer_caps: Optional[dict] = None, aggregation: str, compression: str, require_commitments: bool,
-                commitment: Optional[dict] = None, claims: Optional[bytes] = None,
+                commitment: Optional[dict] = None, claims: Optional[bytes] = None, digests: Optional[bytes] = None,
                 expect: Optional[list] = None, refused: Optional[list] = None) -> dict:
     """What this peer tells its group about itself (each key is read by a rule below).
-    ``claims`` (the bytes of the claims ``commitment`` commits to) stay in our averager."""
+    ``claims`` and ``digests`` (the bytes of the claims and part digests ``commitment`` commits
+    to) stay in our averager."""
     gather = dict(v=GATHER_VERSION, fp=str(fingerprint), schema=schema, w=float(weight), cap=float(cap),
                   norm=norm, ratio=float(max_norm_ratio),
                   caps={str(k): float(v) for k, v in (peer_caps or {}).items()
@@ -66,7 +67,7 @@ def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, nor
     if commitment is not None:
         gather["commit"] = commitment
     if claims is not None:
-        gather[PRIVATE_KEY] = {"claims": claims}
+        gather[PRIVATE_KEY] = {"claims": claims, "digests": digests}
     if expect:
         # The leader forms the group as soon as all of these joined instead of waiting out its
         # matchmaking window (assembly.py); missing ones cost the window.
@@ -87,6 +88,12 @@ def private_claims(private: Any):
     if not isinstance(data, bytes) or not data or len(data) % (4 * WORK_SKETCH_K):
         return None
     return np.frombuffer(data, dtype="<f4").reshape(-1, WORK_SKETCH_K)
+
+
+def private_digests(private: Any) -> Optional[bytes]:
+    """Our parts' digests (claims_tree.part_digest, 32 bytes each) from the private part of our gather."""
+    data = private.get("digests") if isinstance(private, dict) else None
+    return data if isinstance(data, bytes) and data else None
 
 
 def scale_check(users, compatible, claimed, ratio: float) -> tuple[list[float], set[int]]:
@@ -359,7 +366,8 @@ NOT_IN_GROUP = "BAD_GROUP_ID"
 def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), unproven=(),
                  banned=(), never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
                  bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0,
-                 refused_size: int = 0, refused_reducers=(), accused_reducers: Optional[dict] = None) -> dict:
+                 refused_size: int = 0, refused_reducers=(), accused_reducers: Optional[dict] = None,
+                 evidence: Optional[dict] = None) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
     ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
@@ -430,4 +438,5 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
         fraction_refused=0.0 if not plan.receives else refused_size / total,
         refused=list(refused_reducers),
         total_weight=float(sum(p["weight_used"] for p in peers)),
+        evidence=evidence if plan.receives else None,  # for the secret-seed round audit (audit.py)
     )

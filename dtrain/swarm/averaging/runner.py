@@ -1,9 +1,10 @@
 """The butterfly runner with dtrain's checks on what crosses the wire, both ways.
 
-* Claims. A sender heads its stream with its claims for this reducer's share and the nodes
-  that prove them against the root it committed in the gather (claims_tree.py); a sender
-  whose proof fails is refused. Each part it then sends is checked, in the thread that
-  decodes it, against its claim (contribution.py); a part that contradicts it bans the sender.
+* Claims. A sender heads its stream with its claims for this reducer's share, its parts'
+  digests and the nodes that prove them against the root it committed in the gather
+  (claims_tree.py); a sender whose proof fails is refused. Each part it then sends is checked,
+  in the thread that decodes it, against its claim (contribution.py) and its bytes against
+  their digest; a part that contradicts either bans the sender.
 * Averaged parts. What a reducer returns (and what we reduce ourselves) is applied only if
   it is finite and no larger than the largest announced contribution (``NORM_SLACK``); else
   that reducer's share keeps our local values and the reducer is recorded FAIL.
@@ -21,6 +22,8 @@
   every receiver (the wall's register_failed_reducer), and named in our next gathers. One
   whose account leaves out or down-weights our own part (which only we can tell) is recorded
   FAIL, but its parts are applied, so that we hold what every other receiver holds.
+* Evidence. What we applied, and how each reducer accounted for it, is reported with the
+  round (``evidence``) for the secret-seed round audit a validator runs after it (audit.py).
 
 Transport and the butterfly itself are hivemind's (the wall's ButterflyRunner).
 """
@@ -34,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree
+from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree, part_digest
 from dtrain.swarm.averaging.accounts import Account, AccountError, account_problem, own_part_problem
 from dtrain.swarm.averaging.contribution import as_received
 from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned, part_check, within_norm
@@ -53,7 +56,7 @@ class CheckedRunner(ButterflyRunner):
     def __init__(self, *, sender_weights: Sequence[float], sender_norms: Optional[Sequence[float]] = None,
                  max_norm: Optional[float] = None, robust: bool = False,
                  sender_commitments: Optional[Sequence] = None, senders_with_claims: Sequence[bool] = (),
-                 own_claims=None, claims_nonce: str = "", layout=None, account_rtol: float = 1e-4,
+                 own_claims=None, own_digests=None, claims_nonce: str = "", layout=None, account_rtol: float = 1e-4,
                  require_commitments: bool = True, reducer_rules: Optional[dict] = None, **kwargs):
         # read by new_reducer, which the base class calls
         self.sender_weights = list(sender_weights)
@@ -63,9 +66,10 @@ class CheckedRunner(ButterflyRunner):
         # per sender (in sender order): its Commitment, or None (not checked); None: no checks
         self.sender_commitments = list(sender_commitments) if sender_commitments is not None else None
         self.senders_with_claims = list(senders_with_claims)  # whose streams start with their claims
-        # our own claims [num_parts, k]: each reducer gets those of its share, with their proof
-        self.own_tree = ClaimsTree(own_claims) if own_claims is not None else None
+        # our own claims [num_parts, k] and part digests: each reducer gets those of its share, with their proof
+        self.own_tree = ClaimsTree(own_claims, own_digests) if own_claims is not None else None
         self.share_claims: dict[int, object] = {}  # sender index -> its proven claims for our share
+        self.share_digests: dict[int, object] = {}  # sender index -> its proven part digests for our share
         self.unproven: set[int] = set()  # senders whose claims did not check out against their root
         self.claims_nonce = claims_nonce
         self.layout = layout
@@ -77,6 +81,10 @@ class CheckedRunner(ButterflyRunner):
         self.share_preambles: dict[int, bytes] = {}  # sender index -> its preamble, as received
         self._reply_preamble: Optional[bytes] = None
         self.forwarded_claims: dict[int, list] = {}  # reducer peer index -> per sender: claims or None
+        self.forwarded_digests: dict[int, list] = {}  # reducer peer index -> per sender: part digests or None
+        # the secret-seed audit's evidence (audit.py): global part -> (reducer peer index, coefficients)
+        # of every other reducer's part we applied after its account checked out
+        self.applied_accounts: dict[int, tuple[int, object]] = {}
         self.reply_notes: dict[tuple[int, int], bytes] = {}  # (reducer peer index, part) -> its account
         # reducer peer id -> how its account wronged our own part (recorded FAIL, still applied)
         self.accused_reducers: dict[str, str] = {}
@@ -162,16 +170,22 @@ class CheckedRunner(ButterflyRunner):
             return f"sent a malformed claims preamble ({exc})"
         first, end = self.share_of(peer_index)
         claims: list = []
+        digests: list = []
         for i, piece in enumerate(pieces):
             commitment = self._commitment_of(i)
             if commitment is None or not piece:
                 claims.append(None)
+                digests.append(None)
                 continue
             try:
-                claims.append(commitment.share_claims(piece, first=first, end=end, num_parts=self._num_parts))
+                shown, shown_digests = commitment.share_claims(piece, first=first, end=end, num_parts=self._num_parts,
+                                                               with_digests=True)
             except ClaimsProofError as exc:
                 return f"forwarded claims of sender #{i} that do not match its committed root ({exc})"
+            claims.append(shown)
+            digests.append(shown_digests)
         self.forwarded_claims[peer_index] = claims
+        self.forwarded_digests[peer_index] = digests
         return None
 
     def accept_reply_note(self, peer_index: int, part_index: int, note: bytes) -> None:
@@ -201,6 +215,7 @@ class CheckedRunner(ButterflyRunner):
                                   rtol=self.account_rtol)
         if problem:
             return problem
+        self.applied_accounts[first + part_index] = (peer_index, account.coefficients)
         me = self._my_sender_index
         if me is not None and str(self.ordered_peer_ids[peer_index]) not in self.accused_reducers:
             mine = own_part_problem(part, account, weights, robust=robust, me=me,
@@ -211,11 +226,39 @@ class CheckedRunner(ButterflyRunner):
         return None
 
     def outcome(self) -> dict:
-        return dict(super().outcome(), accused_reducers=dict(self.accused_reducers))
+        return dict(super().outcome(), accused_reducers=dict(self.accused_reducers), evidence=self.evidence())
 
-    def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor):
-        """Worker thread: ``(part_check, matches its claim)`` of a received part."""
-        return part_check(part), self.part_as_claimed(sender_index, part_index, part)
+    def evidence(self) -> Optional[dict]:
+        """What the secret-seed round audit reads (audit.RoundEvidence, in plain values): for every
+        part we applied that a reducer accounted for, other reducers' and our own, the reducer,
+        its coefficients and each sender's committed part digest. None without accounts."""
+        if not self._checks_accounts():
+            return None
+        senders = self.sender_ids
+        parts: dict[int, tuple] = {}
+
+        def digest_of(per_sender, i: int, offset: int):
+            d = per_sender[i] if per_sender is not None and i < len(per_sender) else None
+            return None if d is None else bytes(d[offset])
+
+        for g, (peer_index, coefficients) in self.applied_accounts.items():
+            first, _ = self.share_of(peer_index)
+            digests = self.forwarded_digests.get(peer_index)
+            parts[g] = (str(self.ordered_peer_ids[peer_index]), tuple(float(c) for c in coefficients),
+                        tuple(digest_of(digests, i, g - first) for i in range(len(senders))))
+        me, mine = self._my_index, self._my_sender_index
+        first, _ = self.share_of(me)
+        own = [self.share_digests.get(i) for i in range(len(senders))]
+        if mine is not None and self.own_tree is not None:
+            own[mine] = self.own_tree.digests[first:first + self.reducer.num_parts]
+        for part_index, account in self.reducer.accounts.items():
+            parts[first + part_index] = (str(self.peer_id), tuple(float(c) for c in account.coefficients),
+                                         tuple(digest_of(own, i, part_index) for i in range(len(senders))))
+        return dict(senders=list(senders), parts=parts)
+
+    def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor, wire: bytes):
+        """Worker thread: ``(part_check, matches its claim and committed digest)`` of a received part."""
+        return part_check(part), self.part_as_claimed(sender_index, part_index, part, wire)
 
     async def serve_stream(self, sender_index: int, parts):
         """Reduce a sender's parts in order; stop at its first refused part.
@@ -268,8 +311,8 @@ class CheckedRunner(ButterflyRunner):
             return None
         first = self._first_part
         try:
-            self.share_claims[sender_index] = commitment.share_claims(
-                data, first=first, end=first + self.reducer.num_parts, num_parts=self._num_parts)
+            self.share_claims[sender_index], self.share_digests[sender_index] = commitment.share_claims(
+                data, first=first, end=first + self.reducer.num_parts, num_parts=self._num_parts, with_digests=True)
         except ClaimsProofError as exc:
             self.unproven.add(sender_index)
             self.reducer.on_sender_failed(sender_index)
@@ -282,9 +325,11 @@ class CheckedRunner(ButterflyRunner):
             return None
         return self.sender_commitments[sender_index]
 
-    def part_as_claimed(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> bool:
-        """True unless the sender committed claims and this part contradicts its claim (or it
-        sent a part without first proving its claims for our share)."""
+    def part_as_claimed(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                        wire: Optional[bytes] = None) -> bool:
+        """True unless the sender committed claims and this part contradicts its claim or (given
+        its ``wire`` bytes) its committed digest, or it sent a part without first proving its
+        claims for our share."""
         if self._commitment_of(sender_index) is None or self.layout is None:
             return True
         claims = self.share_claims.get(sender_index)
@@ -295,6 +340,8 @@ class CheckedRunner(ButterflyRunner):
         param_index, start, length = self.layout.parts[self._first_part + part_index]
         if tensor_part.numel() != length:
             return False
+        if wire is not None and part_digest(wire) != bytes(self.share_digests[sender_index][part_index]):
+            return False  # other bytes than committed: the secret-seed audit could not hold it to them
         return part_matches_claim(tensor_part, claims[part_index], param_index, start, self.claims_nonce)
 
 

@@ -18,7 +18,7 @@ import torch
 
 import dtrain.swarm.hivemind_internals  # noqa: F401  (first: hivemind's shims, and its version check)
 from dtrain.swarm.averaging.assembly import expect_list
-from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS, make_gather, schema_hash
+from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS, MAX_REFUSED_NAMED, make_gather, schema_hash
 from dtrain.swarm.averaging.reducer import part_check
 from dtrain.swarm.averaging.settings import AveragingConfig
 from dtrain.swarm.codecs import make_compression
@@ -111,6 +111,8 @@ class GradientSwarm:
         # (bounded by the peers we meet; kept in memory: a restart forgets, which only delays
         # a bench by one refusal)
         self._bench: dict[str, int] = {}
+        # what we sent in our last committed round, for its secret-seed audit (audit.py)
+        self.last_sent = None
         cfg = self.config
         self._averager = self._new_averager(
             self._buffers,
@@ -205,12 +207,14 @@ class GradientSwarm:
         except TimeoutError as exc:
             return self._failed_record(str(exc), weight, tokens)
         norm = math.sqrt(squares)
-        commitment, claims = self._commitment(tensors, work, work_nonce) if work_nonce is not None else (None, None)
+        self.last_sent = None
+        commitment, claims, digests = (self._commitment(tensors, work, work_nonce) if work_nonce is not None
+                                       else (None, None, None))
         gather = make_gather(
             fingerprint=self.fingerprint, schema=self._schema, weight=weight, cap=cap, norm=norm,
             max_norm_ratio=cfg.max_norm_ratio, peer_caps=peer_caps, aggregation=cfg.aggregation,
             compression=cfg.compression, require_commitments=cfg.require_commitments,
-            commitment=commitment, claims=claims, expect=expect_list(expected_peers) if expected_peers else None,
+            commitment=commitment, claims=claims, digests=digests, expect=expect_list(expected_peers) if expected_peers else None,
             refused=sorted(self._bench, key=lambda p: -self._bench[p]))
         started = time.time()
         t0 = time.monotonic()
@@ -251,6 +255,13 @@ class GradientSwarm:
                 outcome = Outcome.NON_PARTICIPATING if alive.get(p) else Outcome.NOT_ALIVE
                 record.peers.append(PeerResult(p, outcome, reason="did not join the group"))
         return self._keep(record)
+
+    def name_refused(self, peer_ids: Sequence[str]) -> None:
+        """Name these peers as refused reducers in our gathers for the next BENCH_ROUNDS rounds,
+        as if our own checks had refused them (a validator's secret-seed round audit caught them:
+        docs/protocol.md, "Round audit"); a majority of the group naming one benches it."""
+        for p in list(peer_ids)[:MAX_REFUSED_NAMED]:
+            self._bench[str(p)] = BENCH_ROUNDS
 
     def _let_go_of_step(self) -> None:
         step = self._step
@@ -297,6 +308,9 @@ class GradientSwarm:
         record.total_weight = rep["total_weight"]
         record.allreduce_s = rep["allreduce_s"]
         record.work_reports = dict(rep.get("work_reports") or {})
+        record.evidence = self._evidence(rep.get("evidence"))
+        if self.last_sent is not None:
+            self.last_sent.round_id = record.round_id
         if rep.get("out_of_step"):
             record.error = rep["out_of_step"]  # nothing of this group is ours to apply
             return
@@ -304,18 +318,35 @@ class GradientSwarm:
             for b, t in zip(bufs, tensors):
                 t.copy_(b.to(device=t.device, dtype=t.dtype))
 
-    def _commitment(self, tensors, work, nonce: str) -> tuple[dict, bytes]:
-        """(the gather's commitment, the claims it commits to): the claims go to our averager,
-        which hands each reducer those of its share (contribution.py)."""
-        from dtrain.swarm.averaging.contribution import Commitment, PartLayout, compute_claims
+    def _commitment(self, tensors, work, nonce: str) -> tuple[dict, bytes, bytes]:
+        """(the gather's commitment, the claims and part digests it commits to): those go to our
+        averager, which hands each reducer those of its share (contribution.py). What we send is
+        kept until the next round, for this round's secret-seed audit (audit.py)."""
+        from dtrain.swarm.averaging.audit import SentContribution
+        from dtrain.swarm.averaging.contribution import Commitment, PartLayout, commit_parts
         from dtrain.training.work import WorkReport
 
         compression = make_compression(self.config.compression)
         if self._layout is None:
             self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
-        claims = compute_claims([t.detach().float().cpu() for t in tensors], self._layout, nonce, compression)
+        sent = [t.detach().float().cpu().clone() for t in tensors]
+        claims, digests = commit_parts(sent, self._layout, nonce, compression)
+        self.last_sent = SentContribution(sent, self._layout, compression)
         report = work if work is not None else WorkReport(epoch=0)
-        return Commitment.of_claims(nonce, report, claims).to_gather(), claims.tobytes()
+        return Commitment.of_claims(nonce, report, claims, digests).to_gather(), claims.tobytes(), digests.tobytes()
+
+    def _evidence(self, data):
+        """The audit's RoundEvidence from the averager's plain values (None without accounts)."""
+        from dtrain.swarm.averaging.audit import ReducedPart, RoundEvidence
+        from dtrain.swarm.averaging.contribution import PartLayout
+
+        if not isinstance(data, dict):
+            return None
+        compression = make_compression(self.config.compression)
+        if self._layout is None:
+            self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
+        parts = {int(g): ReducedPart(reducer, tuple(c), tuple(d)) for g, (reducer, c, d) in data["parts"].items()}
+        return RoundEvidence(senders=list(data["senders"]), layout=self._layout, compression=compression, parts=parts)
 
     def _reachable(self, peer_ids: Sequence[str], timeout_s: float = 3.0) -> dict[str, bool]:
         from dtrain.swarm.node import _ping_peer_ids

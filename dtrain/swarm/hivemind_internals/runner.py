@@ -104,8 +104,9 @@ class ButterflyRunner(AllReduceRunner):
         and stop to refuse the sender (it is then banned)."""
         raise NotImplementedError
 
-    def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor) -> Any:
-        """Worker thread, as a received part is decoded: checks that should not run on the loop."""
+    def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor, wire: bytes) -> Any:
+        """Worker thread, as a received part is decoded (``wire``: its bytes as they came, before
+        decoding): checks that should not run on the loop."""
         return None
 
     def check_averaged_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> Optional[str]:
@@ -262,7 +263,8 @@ class ButterflyRunner(AllReduceRunner):
         def decode(item):
             part_index, msg = item
             part = deserialize_torch_tensor(msg.tensor_part)
-            return part, msg.tensor_part.compression, self.inspect_part(sender_index, part_index, part)
+            verdict = self.inspect_part(sender_index, part_index, part, msg.tensor_part.buffer)
+            return part, msg.tensor_part.compression, verdict
 
         try:
             if self.expects_preamble(sender_index):

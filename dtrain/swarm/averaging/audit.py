@@ -1,0 +1,254 @@
+"""The secret-seed round audit: what was sent and returned, checked under a seed nobody knew.
+
+Every check *during* a round reads sketches under the epoch's public work nonce, and anything
+that can be crafted against a public seed can be crafted into its null space: a sender can add
+to its contribution a vector whose every part sketches to zero, and a reducer can add one to
+its result, and every claim, binding check and account still passes. So after a round, a
+validator draws a fresh seed (it exists only once every part has been sent and every result
+returned) and checks the round again under it:
+
+* **What each sender sent.** Every member keeps what it sent in its last round
+  (:class:`SentContribution`) and answers, under the validator's seed, the sketch of each of its
+  parts as a receiver decodes it (:meth:`SentContribution.sketches`).
+* **What each reducer returned** (:func:`audit_round`). The validator holds every reducer's
+  result, the account that came with it (the coefficients of the combination, accounts.py) and,
+  from the claims forwarded with it, the digest of every sender's part bytes
+  (claims_tree.part_digest), which the reducer checked as the part arrived. Sketches are
+  linear, so the result's sketch under the seed must be ``sum_i c_i`` of the senders' reported
+  sketches. A part that does not add up is a *dispute*: the validator asks each sender with a
+  coefficient for the part's wire bytes, which must hash to the digest it committed before it
+  sent anything, and sketches them itself. A sender whose bytes do not match its report lied
+  about what it sent; when every report is true, the reducer's result is not the combination
+  it states. Either way the one at fault is named, never a bystander: the committed digests
+  make the bytes evidence.
+* **What a sender's work gives** (the mode's audit, dtrain.modes): a sampled miner's whole
+  committed batch, recomputed, must sketch under the seed to the sum of the sketches it
+  reported for the parts this audit confirmed.
+
+A sender cannot prepare for any of it: the seed did not exist when it chose its bytes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dtrain.swarm.averaging.claims_tree import part_digest
+from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL, PartLayout, decode_wire, wire_form
+from dtrain.training.fingerprint import range_sketch
+from dtrain.training.work import WORK_SKETCH_K
+
+AUDIT_NONCE_PREFIX = "dtrain/audit/v1:"
+# The most parts an audit answer may carry: 8 MiB of float32 sketches (an answer must fit the
+# API client's 16 MiB JSON limit in base64), 4 TiB of float32 contribution at 128 KiB parts.
+MAX_AUDIT_PARTS = 32768
+
+
+def audit_nonce(seed: bytes) -> str:
+    """The sketch nonce of an audit seed (a validator draws 32 random bytes after the round)."""
+    return AUDIT_NONCE_PREFIX + bytes(seed).hex()
+
+
+@dataclass
+class SentContribution:
+    """What this peer sent in its last round, kept so it can answer that round's audit.
+
+    One copy of the contribution, float32 on CPU, replaced by the next round's (memory stays
+    flat). Sketches and bytes are computed from it on demand: the codec is deterministic, so
+    they are of the very bytes that went on the wire.
+    """
+
+    tensors: list[torch.Tensor]
+    layout: PartLayout
+    compression: object  # the wire codec (hivemind CompressionBase)
+    round_id: str = ""  # the group id, set once the round ran
+
+    def sketches(self, nonce: str, k: int = WORK_SKETCH_K) -> np.ndarray:
+        """float32 [num_parts, k]: each part's sketch under ``nonce``, as a receiver decodes it."""
+        out = np.zeros((len(self.layout), k), dtype="<f4")
+        for g, (i, start, length) in enumerate(self.layout.parts):
+            _, decoded = wire_form(self.tensors[i].reshape(-1)[start:start + length], self.compression)
+            out[g] = range_sketch(decoded, i, start, nonce, k=k).numpy()
+        return out
+
+    def wire(self, part: int) -> bytes:
+        """The wire bytes of part ``part`` (IndexError when there is no such part)."""
+        i, start, length = self.layout.parts[part]
+        return wire_form(self.tensors[i].reshape(-1)[start:start + length], self.compression)[0]
+
+
+@dataclass(frozen=True)
+class ReducedPart:
+    """One averaged part as a receiver applied it: who reduced it and how (its account), and
+    the digest each sender committed for its bytes (None: not shown, the sender had no weight)."""
+
+    reducer: str  # peer id
+    coefficients: tuple[float, ...]  # per sender, in sender order
+    digests: tuple[Optional[bytes], ...]
+
+
+@dataclass
+class RoundEvidence:
+    """What a receiver keeps of a round for the audit: the senders in order, the part layout
+    and codec, and every applied part's account (global part index -> ReducedPart)."""
+
+    senders: list[str]
+    layout: PartLayout
+    compression: object
+    parts: dict[int, ReducedPart] = field(default_factory=dict)
+
+
+# (peer id, part) -> that part's wire bytes as the sender shows them (None: it did not)
+FetchPart = Callable[[str, int], Optional[bytes]]
+
+
+@dataclass
+class AuditResult:
+    """The audit's findings: peer id -> why it failed, and per sender the parts whose reported
+    sketches the audit confirmed (against a result that adds up, or against the bytes)."""
+
+    problems: dict[str, str] = field(default_factory=dict)
+    # the peers named on evidence (bytes that hash to their commitment, or a result that does
+    # not add up with them), not for a missing or malformed answer, which a fault can explain
+    proven: set[str] = field(default_factory=set)
+    confirmed: dict[str, set[int]] = field(default_factory=dict)
+    parts_checked: int = 0
+    parts_skipped: int = 0  # a sender with a coefficient that we did not ask (another validator)
+    disputes: int = 0
+
+
+def audit_round(evidence: RoundEvidence, result: Sequence[torch.Tensor], reports: Mapping[str, Optional[np.ndarray]],
+                nonce: str, rtol: float, fetch: FetchPart) -> AuditResult:
+    """Check every applied part of the round under the secret ``nonce``.
+
+    ``result``: the averaged tensors as this receiver applied them; ``reports``: per sender we
+    asked, its sketches of all its parts [num_parts, k] (None: it did not answer); ``rtol``: the
+    wire codec's tolerance (contribution.binding_rtol), as for the public account check.
+    """
+    out = AuditResult()
+    k = WORK_SKETCH_K
+    for peer, sketches in reports.items():
+        if sketches is None:
+            continue
+        if sketches.shape != (len(evidence.layout), k):
+            out.problems[peer] = f"answered the round audit with {sketches.shape[0]} parts, expected {len(evidence.layout)}"
+        elif not np.isfinite(sketches).all():
+            # NaN would compare unequal to nothing and confirm nothing: a way out of the batch audit
+            out.problems[peer] = "answered the round audit with non-finite sketches"
+    for g, reduced in sorted(evidence.parts.items()):
+        c = np.asarray(reduced.coefficients, dtype=np.float64)
+        used = [i for i in range(len(c)) if c[i] > 0]
+        if not used:
+            continue
+        senders = [evidence.senders[i] for i in used]
+        if any(s not in reports for s in senders):
+            out.parts_skipped += 1
+            continue
+        silent = [s for s in senders if reports[s] is None]
+        for s in silent:  # only a sender whose parts are in what we applied owes an answer
+            out.problems.setdefault(s, "did not answer the round audit, though its parts are in the result")
+        if silent or reduced.reducer in out.problems or any(s in out.problems for s in senders):
+            # nothing to weigh this part against, or its verdict is in: one dispute per cheat, so
+            # a cheat cannot make us download its whole share (or every share it is in) part by part
+            continue
+        out.parts_checked += 1
+        param, start, length = evidence.layout.parts[g]
+        got = range_sketch(result[param].reshape(-1)[start:start + length], param, start, nonce, k=k).numpy()
+        claimed = {i: reports[evidence.senders[i]][g].astype(np.float64) for i in used}
+        if _adds_up(got, c, claimed, rtol):
+            for i in used:
+                out.confirmed.setdefault(evidence.senders[i], set()).add(g)
+            continue
+        out.disputes += 1
+        _settle(out, evidence, g, reduced, c, used, claimed, got, nonce, rtol, fetch)
+    return out
+
+
+def _adds_up(got: np.ndarray, c: np.ndarray, sketches: Mapping[int, np.ndarray], rtol: float) -> bool:
+    """The account check of accounts.account_problem, under the secret seed."""
+    want, spread = np.zeros_like(got), 0.0
+    for i, s in sketches.items():
+        want += c[i] * s
+        spread += c[i] * float(np.linalg.norm(s))
+    err = float(np.linalg.norm(got - want))
+    return err <= rtol * float(np.linalg.norm(got)) + PART_RTOL * spread + ABS_FLOOR
+
+
+def _settle(out: AuditResult, evidence: RoundEvidence, g: int, reduced: ReducedPart, c: np.ndarray,
+            used: list[int], claimed: dict[int, np.ndarray], got: np.ndarray, nonce: str, rtol: float,
+            fetch: FetchPart) -> None:
+    """A part that does not add up: sketch each sender's committed bytes ourselves and name who lied."""
+    param, start, length = evidence.layout.parts[g]
+    true: dict[int, np.ndarray] = {}
+    for i in used:
+        peer = evidence.senders[i]
+        wire = fetch(peer, g)
+        digest = reduced.digests[i] if i < len(reduced.digests) else None
+        if wire is None:
+            out.problems.setdefault(peer, f"did not show the bytes of part {g} in the round audit")
+            continue
+        if digest is None or part_digest(wire) != digest:
+            out.problems.setdefault(peer, f"showed bytes of part {g} that are not the ones it committed")
+            out.proven.add(peer)
+            continue
+        try:
+            decoded = decode_wire(wire, length, evidence.compression)
+        except ValueError as exc:
+            out.problems.setdefault(peer, f"showed bytes of part {g} that do not decode ({exc})")
+            continue
+        true[i] = range_sketch(decoded, param, start, nonce, k=got.shape[0]).numpy()
+        scale = max(float(np.linalg.norm(true[i])), float(np.linalg.norm(claimed[i])))
+        if not float(np.linalg.norm(true[i] - claimed[i])) <= PART_RTOL * scale + ABS_FLOOR:
+            out.problems.setdefault(peer, f"reported a sketch of part {g} that its own bytes contradict "
+                                          "(secret-seed round audit)")
+            out.proven.add(peer)
+    if len(true) == len(used) and not _adds_up(got, c, true, rtol):
+        out.problems.setdefault(reduced.reducer, f"returned part {g} that is not the combination its account "
+                                                 "states (secret-seed round audit)")
+        out.proven.add(reduced.reducer)
+
+
+# How many rounds a validator names a peer its audit *proved* at fault (see AuditResult.proven)
+# in its AllReduce queries, so that the miners bench it as a reducer: the evidence is bytes that
+# hash to its own commitment, no accident explains it, and a bench of BENCH_ROUNDS (10) would let
+# it alter one round in eleven. A peer named for a missing or malformed answer gets 10.
+PROVEN_BENCH_ROUNDS = 100
+
+# How far a recomputed batch's secret-seed sketch may be from what the miner sent, relative to its
+# norm, beyond the wire codec's own tolerance: the page audits' recomputation tolerance (cosine
+# >= 0.995 and norm within 2 % allow a relative error of about 0.1; docs/scoring.md). A
+# contribution hidden in the public sketch's null space is off by its own size (the sandbox's
+# null-space sender: about 2), caught; a change below this bound passes, and CenteredClip bounds it.
+BATCH_AUDIT_RTOL = 0.1
+
+
+def batch_problem(work_mean: Sequence[Optional[torch.Tensor]], sent) -> str:
+    """"" when what a miner sent (``sent``: modes.SentSketches, its confirmed parts) sketches
+    under the secret nonce like ``work_mean``, the mean gradient its committed batch gives as
+    the validator recomputed it (None: a parameter without gradient, zeros); else why not."""
+    parts = sorted(sent.confirmed)
+    if not parts:
+        return ""
+    k = sent.sketches.shape[1]
+    want, got = np.zeros(k), np.zeros(k)
+    for g in parts:
+        param, start, length = sent.layout.parts[g]
+        got += sent.sketches[g].astype(np.float64)
+        grad = work_mean[param]
+        if grad is not None:
+            want += range_sketch(grad.reshape(-1)[start:start + length], param, start, sent.nonce, k=k).numpy()
+    err, scale = float(np.linalg.norm(got - want)), float(np.linalg.norm(want))
+    if err > (sent.rtol + BATCH_AUDIT_RTOL) * scale + ABS_FLOOR:
+        return (f"sent a contribution that its committed batch does not give (secret-seed sketch error "
+                f"{err / max(scale, ABS_FLOOR):.2g} over {len(parts)} parts)")
+    return ""
+
+
+def draw_seed() -> bytes:
+    """A fresh audit seed, 32 bytes from the OS's randomness: drawn only after the round is over."""
+    return secrets.token_bytes(32)
+
