@@ -8,10 +8,17 @@ which half the micro-batches are recomputed, one audited page), on this machine:
 - baseline, the miner: train its local batch page by page and record its work report
   (``Trainer.accumulate`` + ``WorkLog.record``, exactly what ``Miner._train_own_page`` does);
 - the validator, per miner: recompute the chosen Train micro-batches, check the committed
-  page ids, recompute the audited pages, and compare a state slice with its replica.
+  page ids, recompute the audited pages, and compare a state slice with its replica;
+- the secret-seed round audit (docs/scoring.md, "Round audit"), timed apart: the validator's
+  check of the parts the miner sent (sketching them under a fresh seed and weighing them against
+  the result, ``audit_round``; a dispute-free round), the miner's answer (its parts' sketches,
+  ``SentContribution.sketches``; the miner's cost, per validator), and the batch audit
+  (recomputing the whole committed batch and ``batch_problem``), which a validator runs with
+  ``--batch-audit-probability`` (the default, 0.25).
 
-Both are timed in alternation, ``--repeats`` times; prints the median of each, the spread and
-``ratio`` = validator / miner (target <= 0.15). Single-threaded torch, so the figure is
+All are timed in alternation, ``--repeats`` times; prints the median of each, the spread,
+``ratio`` = validator / miner without the round audit (target <= 0.15), and
+``ratio_with_round_audit`` = (validator + round-audit check + probability x batch audit) / miner. Single-threaded torch, so the figure is
 per-core and comparable between machines of one kind; a GPU miner on a CPU validator is not
 what this measures.
 
@@ -40,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute-fraction", type=float, default=0.5)
     ap.add_argument("--audit-pages", type=int, default=1)
     ap.add_argument("--slice-bytes", type=int, default=1 << 20)
+    ap.add_argument("--batch-audit-probability", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -55,6 +63,14 @@ def main(argv=None) -> int:
     from dtrain.training.trainer import Trainer, TrainerConfig, recompute_fingerprints, recompute_page_work
     from dtrain.training.work import WORK_SKETCH_K, WorkLog, work_nonce
     from dtrain.validation.verification import check_page_ids, choose_audit_pages
+    from dtrain.modes import SentSketches
+    from dtrain.swarm.averaging.audit import (
+        ReducedPart, RoundEvidence, SentContribution, audit_nonce, audit_round, batch_problem, draw_seed,
+    )
+    from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol, wire_form
+    from dtrain.swarm.averaging.settings import AveragingConfig
+    from dtrain.swarm.codecs import make_compression
+    from dtrain.training.trainer import summed_gradients
 
     torch.set_num_threads(args.threads)
     tok = load_fallback_tokenizer()
@@ -90,7 +106,7 @@ def main(argv=None) -> int:
         for index in sorted(rng.sample(range(expected), count)):
             x = challenge[index * args.micro_batch:(index + 1) * args.micro_batch]
             ref = recompute_fingerprints(model, x, nonce=nonce, micro_batch_size=args.micro_batch)[0]
-            assert compare_fingerprints(answer[index], ref).passed
+            assert compare_fingerprints(answer[index], ref).passed, compare_fingerprints(answer[index], ref).reasons
         assert not check_page_ids(report.pages, lambda c: assign_pages(
             run_id=run_id, uid=uid, epoch=epoch, page_counter=c, count=1, num_pages=reader.num_pages)[0])
         for index in choose_audit_pages(len(report.pages), args.audit_pages, rng):
@@ -103,7 +119,39 @@ def main(argv=None) -> int:
         mine = state_slice(trainer, offset, args.slice_bytes)
         slice_distance(mine, mine, params_rms(trainer.params))
 
-    miner_s, validator_s = [], []
+    # The miner's contribution as `mine` sends it (the mean gradient, the production codec and part
+    # size), in a round where it alone is in every part's combination: what the validator's round
+    # audit weighs per miner.
+    wire = AveragingConfig()
+    compression = make_compression(wire.compression)
+    mean = [g.detach().float().div(report.samples).cpu().clone() for g in trainer.gradients()]
+    layout = PartLayout.of(mean, compression, wire.part_size_bytes)
+    sent = SentContribution(mean, layout, compression, round_id="bench")
+    evidence = RoundEvidence(senders=["miner"], layout=layout, compression=compression,
+                             parts={g: ReducedPart("reducer", (1.0,), (None,)) for g in range(len(layout))})
+    result = [t.clone() for t in mean]
+    for i, start, length in layout.parts:  # what a receiver decodes of the miner's parts
+        result[i].reshape(-1)[start:start + length] = wire_form(mean[i].reshape(-1)[start:start + length],
+                                                                compression)[1]
+    rtol = binding_rtol(wire.compression)
+
+    def round_audit_check(sketches, secret):
+        found = audit_round(evidence, result, {"miner": sketches}, secret, rtol, lambda peer, part: None)
+        assert not found.problems and found.parts_checked == len(layout), found
+        return found
+
+    def batch_audit(sketches, secret, found):
+        total, samples = [None] * len(trainer.params), 0
+        for entry in report.pages:
+            _, _, n = summed_gradients(model, reader.read_pages([entry.page]), micro_batch_size=args.micro_batch,
+                                       into=total)
+            samples += n
+        work_mean = [None if g is None else g.float().div(samples) for g in total]
+        claim = SentSketches(nonce=secret, sketches=sketches, confirmed=frozenset(found.confirmed["miner"]),
+                             layout=layout, rtol=rtol)
+        assert batch_problem(work_mean, claim) == ""
+
+    miner_s, validator_s, answer_s, check_s, batch_s = [], [], [], [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         miner_round()
@@ -111,18 +159,40 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         validator_round()
         validator_s.append(time.perf_counter() - t0)
+        secret = audit_nonce(draw_seed())
+        t0 = time.perf_counter()
+        sketches = sent.sketches(secret)
+        answer_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        found = round_audit_check(sketches, secret)
+        check_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        batch_audit(sketches, secret, found)
+        batch_s.append(time.perf_counter() - t0)
     ratios = [v / m for v, m in zip(validator_s, miner_s)]
+    p = args.batch_audit_probability
+    with_audit = [(v + c + p * b) / m for v, c, b, m in zip(validator_s, check_s, batch_s, miner_s)]
     out = {"miner_train_s": statistics.median(miner_s), "validator_verify_s": statistics.median(validator_s),
            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-           "repeats": args.repeats, "threads": args.threads,
+           "round_audit_check_s": statistics.median(check_s), "round_audit_answer_s": statistics.median(answer_s),
+           "batch_audit_s": statistics.median(batch_s),
+           "ratio_with_round_audit": statistics.median(with_audit), "ratio_with_round_audit_min": min(with_audit),
+           "ratio_with_round_audit_max": max(with_audit),
+           "miner_answer_ratio": statistics.median([a / m for a, m in zip(answer_s, miner_s)]),
+           "parts": len(layout), "repeats": args.repeats, "threads": args.threads,
            "settings": {k: getattr(args, k) for k in ("seq_len", "page_sequences", "micro_batch", "local_batch",
-                                                      "pages_per_query", "recompute_fraction", "audit_pages")}}
+                                                      "pages_per_query", "recompute_fraction", "audit_pages",
+                                                      "batch_audit_probability")}}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"miner trains its local batch: {out['miner_train_s']:.3f} s (median of {args.repeats})")
         print(f"validator verifies that miner: {out['validator_verify_s']:.3f} s")
         print(f"ratio {out['ratio']:.3f} (range {out['ratio_min']:.3f}-{out['ratio_max']:.3f}; target <= 0.15)")
+        print(f"round audit: check {out['round_audit_check_s']:.3f} s, the miner's answer "
+              f"{out['round_audit_answer_s']:.3f} s, batch audit {out['batch_audit_s']:.3f} s")
+        print(f"ratio with the round audit (batch audit at p={p:g}): {out['ratio_with_round_audit']:.3f} "
+              f"(range {out['ratio_with_round_audit_min']:.3f}-{out['ratio_with_round_audit_max']:.3f})")
     return 0
 
 

@@ -144,7 +144,7 @@ class ValidatorConfig:
                           "(chosen after the miner committed; docs/scoring.md).", min=0, max=1024)
     batch_audit_probability: float = _f(0.25, "Chance per round and miner that the validator recomputes the "
                                         "miner's whole committed batch and checks what it sent against it under "
-                                        "a seed drawn after the round (docs/scoring.md, \"Round audit\").",
+                                        "a seed drawn after the round (docs/protocol.md, \"Round audit\").",
                                         min=0.0, max=1.0)
     recompute_fraction: float = _f(0.5, "Fraction of reported micro-batches the validator recomputes.", min=0.0, max=1.0)
     round_interval_s: float = _f(60.0, "Rounds start at multiples of this many seconds of UNIX time and begin "

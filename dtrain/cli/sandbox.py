@@ -46,6 +46,10 @@ def sandbox(
         "--mode", help="allreduce.mode: gradient (average every step) or diloco (H local steps, then one "
         "averaged pseudo-gradient and an outer Nesterov step).",
         autocompletion=lambda incomplete: [m for m in MODES if m.startswith(incomplete)])] = "gradient",
+    batch_audit: Annotated[float, typer.Option(
+        "--batch-audit", min=0.0, max=1.0,
+        help="Chance per miner and round that a validator recomputes the miner's whole batch "
+        "(validator.batch_audit_probability; production's default is 0.25).")] = 1.0,
     json_out: JsonOpt = False,
     no_dashboard: NoDashboardOpt = False,
 ) -> None:
@@ -67,7 +71,8 @@ def sandbox(
             err(f"sandbox: {message}")
 
     box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, validators=validators,
-                                 adversaries=list(adversary or []), directory=directory, mode=mode),
+                                 adversaries=list(adversary or []), directory=directory, mode=mode,
+                                 batch_audit=batch_audit),
                   on_event=note)
     interrupted = threading.Event()
 

@@ -225,6 +225,8 @@ class DiLoCo(Mode):
                                                                     segment=segment)
                 if whole and not problem and all(a.passed for a in audits):
                     problem = self._batch_problem(start, req.sent)
+                    log.info("uid %d: whole trajectory replayed for the round audit: %s", req.uid,
+                             problem or "it gives what the miner sent")
             verdicts.append(judge_trajectory(report, expected_epoch=epoch, problem=problem, audits=audits,
                                              first_step=first))
         return verdicts

@@ -9,10 +9,13 @@ those pages. A validator recomputes randomly chosen committed pages on the pre-s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from collections.abc import Sequence
 
 from dtrain.modes.base import AuditRequest, Contribution, Mode, ModeSettings, PageTrained, Progress
+
+log = logging.getLogger(__name__)
 
 
 def page_loss(results) -> float:
@@ -111,6 +114,8 @@ class PerStep(Mode):
             verdict = judge_work(report, id_problem, audits, expected_epoch=epoch)
             if verdict.passed and req.sent is not None and rng.random() < self.settings.batch_audit_probability:
                 problem = self._batch_problem(report, req.sent)
+                log.info("uid %d: whole committed batch recomputed for the round audit: %s", req.uid,
+                         problem or "it gives what the miner sent")
                 if problem:
                     verdict = dataclasses.replace(verdict, problem=problem)
             verdicts.append(verdict)

@@ -42,6 +42,9 @@ class SandboxOptions:
     validators: int = 1
     adversaries: list[str] = field(default_factory=list)
     mode: str = "gradient"  # allreduce.mode: gradient or diloco
+    # validator.batch_audit_probability: the sandbox recomputes every miner's whole batch every
+    # round (its model is tiny, and four rounds leave no room for odds); production's is 0.25
+    batch_audit: float = 1.0
     directory: Path | None = None
     round_timeout_s: float = 240.0
 
@@ -69,7 +72,7 @@ SANDBOX_DILOCO_WARMUP = 2  # the ramp of the production default (a tenth of H), 
 
 
 def neuron_config(root: Path, member: Member, total_miners: int, validators: int = 1,
-                  mode: str = "gradient") -> Config:
+                  mode: str = "gradient", batch_audit: float = 1.0) -> Config:
     """The config every sandbox neuron runs with: tiny model, shipped text, loopback only."""
     cfg = Config()
     cfg.wallet.name, cfg.wallet.hotkey, cfg.wallet.path = member.name, "default", str(layout.wallets_dir(root))
@@ -86,7 +89,7 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     v = cfg.validator
     v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 1, 0.5
     v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
-    v.batch_audit_probability = 1.0
+    v.batch_audit_probability = batch_audit
     if validators > 1:
         # Several validators meet in one all-reduce by starting it half-way through a shared
         # slot (docs/protocol.md): the slot must outlast their checks, or the faster one's
@@ -171,7 +174,8 @@ class Sandbox:
         for member in members:
             ndir = layout.neuron_dir(self.root, member.name)
             ndir.mkdir(parents=True, exist_ok=True)
-            save_config(neuron_config(self.root, member, total_miners, self.options.validators, self.options.mode),
+            save_config(neuron_config(self.root, member, total_miners, self.options.validators, self.options.mode,
+                                      self.options.batch_audit),
                         ndir / "config.toml", overwrite=True)
         layout.store_dir(self.root).mkdir(exist_ok=True)
         layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,
