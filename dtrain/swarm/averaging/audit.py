@@ -191,7 +191,12 @@ def _settle(out: AuditResult, evidence: RoundEvidence, g: int, reduced: ReducedP
         if wire is None:
             out.problems.setdefault(peer, f"did not show the bytes of part {g} in the round audit")
             continue
-        if digest is None or part_digest(wire) != digest:
+        if digest is None:
+            # its reducer used a part it did not prove the digest of; with required commitments
+            # the public account check refuses that, so this is a peer without commitments
+            out.problems.setdefault(peer, f"committed no digest for part {g}, so its bytes cannot be checked")
+            continue
+        if part_digest(wire) != digest:
             out.problems.setdefault(peer, f"showed bytes of part {g} that are not the ones it committed")
             out.proven.add(peer)
             continue
