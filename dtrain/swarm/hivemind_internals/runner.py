@@ -205,12 +205,19 @@ class ButterflyRunner(AllReduceRunner):
 
     # -- client side -----------------------------------------------------------------------
     async def reduce_own_share(self) -> None:
-        """Our own share: reduce locally, and keep exactly what remote senders will receive."""
+        """Our own share: reduce locally, and keep exactly what remote senders will receive.
+
+        Our own part goes in as a remote reducer would decode it, like every other sender's:
+        the combination is then exactly the one our account states over the senders' claims
+        (which are of decoded parts), not that plus our codec error, which the receivers'
+        account check and the round audit would otherwise have to absorb."""
         peer_index = self.ordered_peer_ids.index(self.peer_id)
         sender_index = self.sender_peer_ids.index(self.peer_id)
         loop = asyncio.get_event_loop()
         lossless = self.wire_compression.compression_type == runtime_pb2.NONE  # as_received is the part itself
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            if not lossless:
+                tensor_part = await loop.run_in_executor(None, self.as_received, tensor_part)
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
             received = averaged if lossless else await loop.run_in_executor(None, self.as_received, averaged)
             self.tensor_part_container.register_processed_part(peer_index, part_index, received)
