@@ -38,7 +38,9 @@ import numpy as np
 import torch
 
 from dtrain.swarm.averaging.claims_tree import part_digest
-from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL, PartLayout, decode_wire, wire_form
+from dtrain.swarm.averaging.contribution import (
+    ABS_FLOOR, PART_RTOL, PartLayout, compute_claims, decode_wire, wire_form,
+)
 from dtrain.training.fingerprint import range_sketch
 from dtrain.training.work import WORK_SKETCH_K
 
@@ -69,11 +71,7 @@ class SentContribution:
 
     def sketches(self, nonce: str, k: int = WORK_SKETCH_K) -> np.ndarray:
         """float32 [num_parts, k]: each part's sketch under ``nonce``, as a receiver decodes it."""
-        out = np.zeros((len(self.layout), k), dtype="<f4")
-        for g, (i, start, length) in enumerate(self.layout.parts):
-            _, decoded = wire_form(self.tensors[i].reshape(-1)[start:start + length], self.compression)
-            out[g] = range_sketch(decoded, i, start, nonce, k=k).numpy()
-        return out
+        return compute_claims(self.tensors, self.layout, nonce, self.compression, k)
 
     def wire(self, part: int) -> bytes:
         """The wire bytes of part ``part`` (IndexError when there is no such part)."""

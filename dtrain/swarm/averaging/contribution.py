@@ -110,11 +110,9 @@ class PartLayout:
 def as_received(part: torch.Tensor, compression) -> torch.Tensor:
     """What a receiver decodes from ``part`` sent with ``compression`` (the lossy round trip;
     the part itself when there is no compression)."""
-    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-
     if compression.compression_type == 0:  # NONE: exact, skip the copy
         return part
-    return deserialize_torch_tensor(serialize_torch_tensor(part, compression.compression_type))
+    return wire_form(part, compression)[1]
 
 
 def wire_form(part: torch.Tensor, compression) -> tuple[bytes, torch.Tensor]:
@@ -160,7 +158,11 @@ def commit_parts(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str
 def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,
                    k: int = WORK_SKETCH_K) -> np.ndarray:
     """Per-part range sketches of ``tensors`` as they will arrive: float32 [num_parts, k]."""
-    return commit_parts(tensors, layout, nonce, compression, k)[0]
+    out = np.zeros((len(layout), k), dtype="<f4")
+    for g, (i, start, length) in enumerate(layout.parts):
+        piece = tensors[i].detach().reshape(-1)[start:start + length]
+        out[g] = range_sketch(as_received(piece, compression), i, start, nonce, k=k).numpy()
+    return out
 
 
 @dataclass

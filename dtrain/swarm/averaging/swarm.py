@@ -323,30 +323,35 @@ class GradientSwarm:
         averager, which hands each reducer those of its share (contribution.py). What we send is
         kept until the next round, for this round's secret-seed audit (audit.py)."""
         from dtrain.swarm.averaging.audit import SentContribution
-        from dtrain.swarm.averaging.contribution import Commitment, PartLayout, commit_parts
+        from dtrain.swarm.averaging.contribution import Commitment, commit_parts
         from dtrain.training.work import WorkReport
 
         compression = make_compression(self.config.compression)
-        if self._layout is None:
-            self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
         sent = [t.detach().float().cpu().clone() for t in tensors]
-        claims, digests = commit_parts(sent, self._layout, nonce, compression)
-        self.last_sent = SentContribution(sent, self._layout, compression)
+        layout = self._part_layout(compression)
+        claims, digests = commit_parts(sent, layout, nonce, compression)
+        self.last_sent = SentContribution(sent, layout, compression)
         report = work if work is not None else WorkReport(epoch=0)
         return Commitment.of_claims(nonce, report, claims, digests).to_gather(), claims.tobytes(), digests.tobytes()
 
     def _evidence(self, data):
         """The audit's RoundEvidence from the averager's plain values (None without accounts)."""
         from dtrain.swarm.averaging.audit import ReducedPart, RoundEvidence
-        from dtrain.swarm.averaging.contribution import PartLayout
 
         if not isinstance(data, dict):
             return None
         compression = make_compression(self.config.compression)
+        parts = {int(g): ReducedPart(reducer, tuple(c), tuple(d)) for g, (reducer, c, d) in data["parts"].items()}
+        return RoundEvidence(senders=list(data["senders"]), layout=self._part_layout(compression),
+                             compression=compression, parts=parts)
+
+    def _part_layout(self, compression):
+        """hivemind's parts of our tensors under the wire codec (the same every round)."""
+        from dtrain.swarm.averaging.contribution import PartLayout
+
         if self._layout is None:
             self._layout = PartLayout.of(self._buffers, compression, self.config.part_size_bytes)
-        parts = {int(g): ReducedPart(reducer, tuple(c), tuple(d)) for g, (reducer, c, d) in data["parts"].items()}
-        return RoundEvidence(senders=list(data["senders"]), layout=self._layout, compression=compression, parts=parts)
+        return self._layout
 
     def _reachable(self, peer_ids: Sequence[str], timeout_s: float = 3.0) -> dict[str, bool]:
         from dtrain.swarm.node import _ping_peer_ids
