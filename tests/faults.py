@@ -44,6 +44,14 @@ class FaultInjection:
     # send each part reflected through its public sketch's null space, after committing the
     # digests of the honest bytes (its claims still match): other bytes than committed
     nullspace_parts: bool = False
+    # as a reducer, add to each averaged part random noise projected onto its public sketch's
+    # null space, of this relative norm (another null-space construction than the reflection)
+    nullspace_noise_results: float = 0.0
+    # answer the members' result-check questions with false sketches (negated): "all" of them,
+    # or only the "first" part of each question (one reducer's part)
+    lie_in_result_check: str = ""
+    # refuse every result-check question (an older release, or a peer that went away)
+    silent_in_result_check: bool = False
 
 
 class FaultyRunner(CheckedRunner):
@@ -74,6 +82,15 @@ class FaultyRunner(CheckedRunner):
         fault = self.fault
         if fault.nullspace_results:
             averaged = self._nullspace(averaged, self.first_part + part_index)
+        if fault.nullspace_noise_results:
+            from dtrain.training.fingerprint import project_out_sketch
+            from dtrain.training.work import WORK_SKETCH_K
+
+            param, start, _ = self.layout.parts[self.first_part + part_index]
+            noise = torch.randn(averaged.shape, generator=torch.Generator().manual_seed(part_index), dtype=torch.float64)
+            hidden = project_out_sketch(noise, param, start, self.claims_nonce, k=WORK_SKETCH_K)
+            scale = fault.nullspace_noise_results * float(averaged.norm()) / max(float(hidden.norm()), 1e-30)
+            averaged = (averaged.double() + scale * hidden).to(averaged.dtype)
         if fault.scale_results != 1.0 or fault.noise_results:
             altered = averaged * fault.scale_results
             if fault.noise_results:
@@ -114,6 +131,19 @@ class FaultyAverager(SwarmAverager):
 
     def make_runner(self, *args, **kwargs):
         return super().make_runner(*args, fault=self.fault, **kwargs)
+
+    async def answer_member(self, group_id, payload, asker):
+        if self.fault.silent_in_result_check:
+            return None
+        answer = await super().answer_member(group_id, payload, asker)
+        if answer is not None and self.fault.lie_in_result_check:
+            import numpy as np
+
+            sketches = np.frombuffer(answer, dtype="<f4").reshape(-1, 64).copy()
+            rows = slice(None) if self.fault.lie_in_result_check == "all" else slice(0, 1)
+            sketches[rows] = -sketches[rows]
+            answer = sketches.astype("<f4").tobytes()
+        return answer
 
 
 class FaultySwarm(GradientSwarm):

@@ -106,19 +106,31 @@ def test_an_honest_round_passes_the_audit_and_every_part_is_confirmed(nodes, com
 
 def test_a_reducer_that_hides_its_change_in_the_public_sketch_null_space_is_named(nodes):
     """A reducer returns every part of its share about negated, crafted so that the part's
-    public sketch, and so every account check in the round, is unchanged: the round records it
-    SUCCESS everywhere. Under the secret seed its results do not add up; every sender shows
-    the bytes it committed, so the audit names the reducer, and only it."""
+    public sketch, and so every account check in the round, is unchanged. Every receiver's
+    result check (under the round's result seed) refuses it before applying anything: its share
+    is zeros on both honest receivers, bit for bit alike, and it is recorded FAIL. The audit then
+    settles what the result check saw with the senders' committed bytes: every sender shows
+    them, so it names the reducer, and only it, on evidence."""
+    from dtrain.swarm.averaging import result_check
+
     torch.manual_seed(22)
     data = [[torch.randn(12000)] for _ in range(3)]
     swarms, recs, applied = _round(nodes, data, _cfg(3), faults={2: FaultInjection(nullspace_results=True)})
     try:
         cheat = swarms[2].peer_id
-        for r in recs:
-            assert all(p.outcome == Outcome.SUCCESS for p in r.peers)  # the public checks see nothing
+        for r in recs[:2]:
+            assert r.outcome_of(cheat) == Outcome.FAIL and result_check.REASON in r.result_of(cheat).reason
+            assert all(p.outcome == Outcome.SUCCESS for p in r.peers if p.peer_id != cheat)
+            assert r.fraction_refused > 0 and r.in_step
+        assert torch.equal(applied[0][0], applied[1][0])  # the same values on every honest receiver
         mean = (data[0][0] + data[1][0] + data[2][0]) / 3
-        assert float(torch.nn.functional.cosine_similarity(applied[0][0] - mean, mean, dim=0)) < -0.1  # it did harm
+        zeroed = applied[0][0] == 0
+        assert 0 < int(zeroed.sum()) < 12000
+        assert torch.allclose(applied[0][0][~zeroed], mean[~zeroed], atol=1e-5)  # nothing altered applied
         for r, result_tensors in zip(recs[:2], applied[:2]):
+            failed = r.evidence.result_check.failed
+            assert failed and {f.reducer for f in failed.values()} == {cheat}
+            assert not set(failed) & set(r.evidence.parts)  # refused parts are not in the applied evidence
             result = _audit(swarms, r, result_tensors)
             assert set(result.problems) == {cheat}, result.problems
             assert "not the combination its account states" in result.problems[cheat]

@@ -300,6 +300,8 @@ def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=
     does not add up with the parts' committed bytes. Sets ``round_audit`` on the miners at fault
     and ``sent`` (what the audit confirmed) on the others, for the mode's batch audit. Returns
     the AuditResult (None when the round left no evidence: no group, or no commitments).
+    The parts our result check refused during the round are settled too (under the seed they
+    failed under), and a reducer refused for a sender's lie gets SUCCESS back in ``record``.
 
     ``others``: peer id -> (api, hotkey) of miners we did not probe (other validators' picks);
     those in the group are asked too, so the parts they are in can be checked, and the ones at
@@ -311,7 +313,7 @@ def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=
     from dtrain.api.client import ApiError
     from dtrain.api.messages import RoundAuditRequest
     from dtrain.modes import SentSketches
-    from dtrain.swarm.averaging.audit import audit_nonce, audit_round, draw_seed
+    from dtrain.swarm.averaging.audit import audit_nonce, audit_round, clear_framed_reducers, draw_seed
     from dtrain.swarm.averaging.contribution import binding_rtol
 
     evidence = getattr(record, "evidence", None)
@@ -361,6 +363,8 @@ def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=
 
     rtol = binding_rtol(record.compression)
     result = audit_round(evidence, averaged, reports, nonce, rtol, fetch)
+    # a reducer our result check refused because a sender lied about its sketch is not at fault
+    clear_framed_reducers(record, evidence, result)
     for peer, p in members.items():
         if peer in result.problems:
             p.round_audit = "round audit: " + result.problems[peer]

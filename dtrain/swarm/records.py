@@ -72,6 +72,7 @@ class RoundRecord:
     bytes_sent: int = 0  # protobuf payload bytes of all-reduce messages (excludes libp2p framing)
     bytes_received: int = 0
     allreduce_s: float = 0.0  # the butterfly itself, after the group formed
+    result_check_s: float = 0.0  # the result check after it (dtrain.swarm.averaging.result_check)
     fraction_averaged: float = 0.0  # share of the local vector that received a real average
     # share that is zeros because its reducer was refused for what it returned (the same on every
     # receiver of those bytes); what is neither kept this peer's local values

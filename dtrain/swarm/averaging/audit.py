@@ -41,6 +41,7 @@ from dtrain.swarm.averaging.claims_tree import part_digest
 from dtrain.swarm.averaging.contribution import (
     ABS_FLOOR, PART_RTOL, PartLayout, compute_claims, decode_wire, wire_form,
 )
+from dtrain.swarm.averaging.result_check import ResultCheck, adds_up
 from dtrain.training.fingerprint import range_sketch
 from dtrain.training.work import WORK_SKETCH_K
 
@@ -92,12 +93,14 @@ class ReducedPart:
 @dataclass
 class RoundEvidence:
     """What a receiver keeps of a round for the audit: the senders in order, the part layout
-    and codec, and every applied part's account (global part index -> ReducedPart)."""
+    and codec, every applied part's account (global part index -> ReducedPart), and what its
+    result check saw (result_check.py: the parts it refused, with the sketches it was answered)."""
 
     senders: list[str]
     layout: PartLayout
     compression: object
     parts: dict[int, ReducedPart] = field(default_factory=dict)
+    result_check: Optional[ResultCheck] = None
 
 
 # (peer id, part) -> that part's wire bytes as the sender shows them (None: it did not)
@@ -157,23 +160,35 @@ def audit_round(evidence: RoundEvidence, result: Sequence[torch.Tensor], reports
         param, start, length = evidence.layout.parts[g]
         got = range_sketch(result[param].reshape(-1)[start:start + length], param, start, nonce, k=k).numpy()
         claimed = {i: reports[evidence.senders[i]][g].astype(np.float64) for i in used}
-        if _adds_up(got, c, claimed, rtol):
+        if adds_up(got, c, claimed, rtol):
             for i in used:
                 out.confirmed.setdefault(evidence.senders[i], set()).add(g)
             continue
         out.disputes += 1
         _settle(out, evidence, g, reduced, c, used, claimed, got, nonce, rtol, fetch)
+    _settle_result_check(out, evidence, rtol, fetch)
     return out
 
 
-def _adds_up(got: np.ndarray, c: np.ndarray, sketches: Mapping[int, np.ndarray], rtol: float) -> bool:
-    """The account check of accounts.account_problem, under the secret seed."""
-    want, spread = np.zeros_like(got), 0.0
-    for i, s in sketches.items():
-        want += c[i] * s
-        spread += c[i] * float(np.linalg.norm(s))
-    err = float(np.linalg.norm(got - want))
-    return err <= rtol * float(np.linalg.norm(got)) + PART_RTOL * spread + ABS_FLOOR
+def _settle_result_check(out: AuditResult, evidence: RoundEvidence, rtol: float, fetch: FetchPart) -> None:
+    """The parts our result check refused during the round, and those it applied after setting
+    a sender's answers aside (result_check.judge): settle each with the committed bytes, under
+    the result seed it was checked under, as a dispute. A sender whose bytes contradict the
+    sketch it answered lied; when every answer is true, the reducer's result was false. One
+    dispute per cheat."""
+    check = evidence.result_check
+    if check is None:
+        return
+    for g, failed in sorted({**check.disputed, **check.failed}.items()):
+        c = np.asarray(failed.coefficients, dtype=np.float64)
+        used = [i for i in range(len(c)) if c[i] > 0]
+        senders = [evidence.senders[i] for i in used]
+        if failed.reducer in out.problems or any(s in out.problems for s in senders):
+            continue
+        out.disputes += 1
+        reduced = ReducedPart(failed.reducer, failed.coefficients, failed.digests)
+        _settle(out, evidence, g, reduced, c, used, dict(failed.answered), np.asarray(failed.got), check.nonce,
+                rtol, fetch)
 
 
 def _settle(out: AuditResult, evidence: RoundEvidence, g: int, reduced: ReducedPart, c: np.ndarray,
@@ -204,15 +219,43 @@ def _settle(out: AuditResult, evidence: RoundEvidence, g: int, reduced: ReducedP
             out.problems.setdefault(peer, f"showed bytes of part {g} that do not decode ({exc})")
             continue
         true[i] = range_sketch(decoded, param, start, nonce, k=got.shape[0]).numpy()
+        if i not in claimed:
+            continue  # it did not answer (the result check's silent sender): nothing to hold it to
         scale = max(float(np.linalg.norm(true[i])), float(np.linalg.norm(claimed[i])))
         if not float(np.linalg.norm(true[i] - claimed[i])) <= PART_RTOL * scale + ABS_FLOOR:
             out.problems.setdefault(peer, f"reported a sketch of part {g} that its own bytes contradict "
                                           "(secret-seed round audit)")
             out.proven.add(peer)
-    if len(true) == len(used) and not _adds_up(got, c, true, rtol):
+    if len(true) == len(used) and not adds_up(got, c, true, rtol):
         out.problems.setdefault(reduced.reducer, f"returned part {g} that is not the combination its account "
-                                                 "states (secret-seed round audit)")
+                                                 "states (secret-seed check)")
         out.proven.add(reduced.reducer)
+
+
+def clear_framed_reducers(record, evidence: RoundEvidence, result: AuditResult) -> list[str]:
+    """Give back SUCCESS, in ``record`` (our RoundRecord), to every reducer our result check
+    refused whose dispute named someone else (a sender's sketch was false) and not it: no honest
+    peer is marked down for another's lie. Returns the reducers cleared."""
+    check = evidence.result_check
+    if check is None:
+        return []
+    framed = set()
+    for g, failed in check.failed.items():
+        named = {evidence.senders[i] for i, c in enumerate(failed.coefficients) if c > 0} & set(result.problems)
+        if failed.reducer not in result.problems and named - {failed.reducer}:
+            framed.add(failed.reducer)
+    guilty = {f.reducer for f in check.failed.values()} - framed
+    cleared = []
+    for p in record.peers:
+        if p.peer_id in framed and p.peer_id not in guilty and p.peer_id not in result.problems:
+            from dtrain.swarm.records import Outcome
+
+            p.outcome, p.reason = Outcome.SUCCESS, ""
+            p.weight_used = float(check.weights.get(p.peer_id, p.weight_claimed))
+            cleared.append(p.peer_id)
+    if cleared:
+        record.total_weight = float(sum(p.weight_used for p in record.peers))
+    return cleared
 
 
 # How many rounds a validator names a peer its audit *proved* at fault (see AuditResult.proven)

@@ -2,9 +2,11 @@
 
 It lives in hivemind's background process (the wall's AveragerProcess). For each formed
 group it applies the group rules (group_rules.py) to the gathered data, sits the round out if
-this peer is at another epoch, balances the shares, and runs the butterfly with a
-CheckedRunner (``make_runner``: the seam tests use to substitute a faulty runner). As a
-matchmaking leader it also forms its group early once every expected peer joined (assembly.py).
+this peer is at another epoch, balances the shares, runs the butterfly with a CheckedRunner
+(``make_runner``: the seam tests use to substitute a faulty runner), and then checks every
+result it applied under the round's result seed before the caller gets it (result_check.py),
+answering the other members' questions for that from what it sent. As a matchmaking leader
+it also forms its group early once every expected peer joined (assembly.py).
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ import torch
 from dtrain.swarm import startup
 from dtrain.swarm.averaging import group_rules
 from dtrain.swarm.averaging.assembly import claim_from_gather_bytes, lapsed_followers, ready_to_assemble
+from dtrain.swarm.averaging import result_check
 from dtrain.swarm.averaging.contribution import binding_rtol
 from dtrain.swarm.averaging.runner import CheckedRunner
 from dtrain.swarm.hivemind_internals import AveragerProcess, Group, load_balance
 
 logger = logging.getLogger(__name__)
+
+# The least time a member is given to answer the result check's question (its sender timeout
+# when longer): it sketches what it sent once per round, a fraction of a second per 16 MiB.
+RESULT_CHECK_MIN_TIMEOUT_S = 10.0
 
 # How long a leader holds its parts back for its followers' BEGIN messages to leave (a dead
 # follower's write fails at once; this only bounds a stuck one).
@@ -77,6 +84,9 @@ class SwarmAverager(AveragerProcess):
         self._layout_cache = None
         self._own_claims = None  # this step's claims [num_parts, k] (float32), kept out of the gather
         self._own_digests = None  # and its parts' digests (32 bytes each)
+        # what we sent in our last committed round, for the members' result checks: (group id,
+        # members, audit.SentContribution, result seed -> future of its sketches [num_parts, k])
+        self._sent = None
         super().__init__(averaged_tensors, dht, matchmaking_key=matchmaking_key(kwargs["prefix"]), start=start,
                          **kwargs)
 
@@ -138,12 +148,115 @@ class SwarmAverager(AveragerProcess):
         await self.until_begins_sent(group.group_id, BEGIN_FLUSH_LIMIT_S)
         async with self.locked_tensors() as local_tensors:
             runner = self.make_runner(group, local_tensors, plan, peer_fractions, layout)
+            self._keep_sent(group, local_tensors, layout, committed=bool(plan.committed[plan.me]))
             await self.run_butterfly(runner, local_tensors, receives=plan.receives)
             allreduce_s = time.monotonic() - t_start
+            if plan.receives:
+                await self._check_results(group, runner, local_tensors)
+            check_s = time.monotonic() - t_start - allreduce_s
         report = self._report(plan, group, runner)
         report["allreduce_s"] = allreduce_s
+        report["result_check_s"] = check_s
         report["work_reports"] = plan.work_reports()
         return dict(gathered=None, report=report)
+
+    # -- the result check (result_check.py) ----------------------------------------------------
+    def _keep_sent(self, group: Group, tensors, layout, committed: bool) -> None:
+        """Keep a copy of what we are about to send (the members check their results against its
+        sketches), replacing the last round's: memory stays flat."""
+        from dtrain.swarm.averaging.audit import SentContribution
+
+        self._sent = None
+        if layout is None or not committed:
+            return
+        sent = SentContribution([t.detach().clone() for t in tensors], layout, group.compression, group.round_id)
+        self._sent = (group.group_id, frozenset(group.peer_ids), sent, {})
+
+    async def answer_member(self, group_id: bytes, payload: bytes, asker: str):
+        kept = self._sent
+        if kept is None or kept[0] != group_id or asker not in kept[1]:
+            return None  # not our last committed round, or not a member of it
+        seed, parts = result_check.decode_ask(payload, len(kept[2].layout))
+        sketches = await self._sent_sketches(kept, seed)
+        return None if sketches is None else result_check.encode_answer(sketches[parts])
+
+    async def _sent_sketches(self, kept, seed: bytes):
+        """The sketches [num_parts, k] of what we sent under ``seed``'s nonce, computed once per
+        seed (every honest member asks with the same one); None past MAX_SEEDS_PER_ROUND."""
+        _, _, sent, by_seed = kept
+        future = by_seed.get(seed)
+        if future is None:
+            if len(by_seed) >= result_check.MAX_SEEDS_PER_ROUND:
+                return None
+            future = by_seed[seed] = asyncio.get_event_loop().run_in_executor(
+                None, sent.sketches, result_check.result_nonce(seed))
+        return await asyncio.shield(future)
+
+    async def _check_results(self, group: Group, runner: CheckedRunner, tensors) -> None:
+        """Check every part another reducer returned and we applied under the round's result
+        seed, before the caller gets them; refuse (zero) the parts of a reducer that fails."""
+        applied = runner.applied_by_others()
+        if not applied:
+            return
+        loop = asyncio.get_event_loop()
+        layout = runner.layout
+
+        def piece(g: int):
+            param_index, start, length = layout.parts[g]
+            return tensors[param_index].reshape(-1)[start:start + length]
+
+        held = sorted(set(applied) | set(runner.own_share()))
+        seed = await loop.run_in_executor(None, result_check.result_seed, group.group_id,
+                                          [(g, piece(g)) for g in held])
+        nonce = result_check.result_nonce(seed)
+        wanted: dict[int, list[int]] = {}  # sender index -> the parts it has a coefficient in
+        for g, (_, coefficients) in sorted(applied.items()):
+            for i, c in enumerate(coefficients):
+                if c > 0:
+                    wanted.setdefault(i, []).append(g)
+        senders = runner.sender_ids
+        timeout_s = max(RESULT_CHECK_MIN_TIMEOUT_S, float(runner.sender_timeout or 0.0))
+
+        async def answers_of(i: int):
+            parts = wanted[i]
+            if i == runner.my_sender_index:
+                kept = self._sent
+                sketches = await self._sent_sketches(kept, seed) if kept and kept[0] == group.group_id else None
+                return None if sketches is None else {g: sketches[g] for g in parts}
+            got: dict[int, object] = {}
+            for at in range(0, len(parts), result_check.MAX_ASK_PARTS):
+                chunk = parts[at:at + result_check.MAX_ASK_PARTS]
+                data = await self.ask_member(senders[i], group.group_id, result_check.encode_ask(seed, chunk), timeout_s)
+                sketches = result_check.decode_answer(data, len(chunk))
+                if sketches is None:
+                    return None
+                got.update(zip(chunk, sketches))
+            return got
+
+        answered = dict(zip(wanted, await asyncio.gather(*(answers_of(i) for i in wanted))))
+        got = await loop.run_in_executor(None, _sketch_parts, tensors, layout, sorted(applied), nonce)
+        norms = {g: {i: runner.claimed_norm(g, i) for i, c in enumerate(applied[g][1]) if c > 0} for g in applied}
+        failing, set_aside = result_check.judge(got, {g: c for g, (_, c) in applied.items()},
+                                                {g: p for g, (p, _) in applied.items()}, answered, norms,
+                                                runner.account_rtol)
+        check = result_check.ResultCheck(nonce=nonce, parts_checked=len(applied),
+                                         silent=sorted(senders[i] for i, a in answered.items() if a is None))
+
+        def evidence_of(g: int):
+            peer_index, coefficients = applied[g]
+            return result_check.FailedPart(
+                str(runner.ordered_peer_ids[peer_index]), tuple(coefficients), runner.digests_of(g), got[g],
+                {i: a[g] for i, a in answered.items() if a is not None and g in a})
+
+        check.failed = {g: evidence_of(g) for g in sorted(failing)}
+        check.disputed = {g: evidence_of(g) for g in sorted(set(set_aside.values()))}
+        for i in set_aside:
+            logger.warning("swarm: setting aside the result-check answers of %s: they alone contradict several "
+                           "reducers", senders[i])
+        for peer_index in sorted({applied[g][0] for g in failing}):
+            logger.warning("swarm: refusing reducer %s: %s", runner.ordered_peer_ids[peer_index], result_check.REASON)
+            runner.refuse_unconfirmed(peer_index, tensors, result_check.REASON)
+        runner.result_check = check
 
     def make_runner(self, group: Group, tensors, plan: group_rules.GroupPlan, peer_fractions, layout, **extra):
         """The group's runner (tests substitute ``runner_class`` and pass ``extra`` arguments)."""
@@ -161,11 +274,17 @@ class SwarmAverager(AveragerProcess):
     def _report(self, plan: group_rules.GroupPlan, group: Group, runner: CheckedRunner) -> dict:
         reducer = runner.reducer
         senders = runner.sender_ids
-        return group_rules.round_report(
+        report = group_rules.round_report(
             plan, round_id=group.round_id, rejected={senders[i] for i in reducer.rejected},
             too_large={senders[i] for i in reducer.too_large},
             contradicted={senders[i] for i in reducer.contradicted}, unproven={senders[i] for i in runner.unproven},
             **runner.outcome())
+        check = (report.get("evidence") or {}).get("result_check")
+        if check is not None:
+            # the weight each refused reducer had as a sender: a validator that finds a sender lied
+            # gives it back (validation_round.round_audit)
+            check["weights"] = {p: plan.used[plan.peer_ids.index(p)] for p in runner.unconfirmed_reducers}
+        return report
 
     def _check_commitments(self, plan: group_rules.GroupPlan, group: Group):
         if not isinstance(plan.mine.get("commit"), dict):
@@ -179,3 +298,16 @@ class SwarmAverager(AveragerProcess):
             with self.get_tensors() as tensors:
                 self._layout_cache = PartLayout.of(tensors, group.compression, group.part_size_bytes)
         return self._layout_cache
+
+
+def _sketch_parts(tensors, layout, parts, nonce: str) -> dict:
+    """Global part -> the sketch (float64 numpy) of our result for it under ``nonce``."""
+    from dtrain.training.fingerprint import range_sketch
+    from dtrain.training.work import WORK_SKETCH_K
+
+    out = {}
+    for g in parts:
+        param_index, start, length = layout.parts[g]
+        out[g] = range_sketch(tensors[param_index].reshape(-1)[start:start + length], param_index, start, nonce,
+                              k=WORK_SKETCH_K).numpy()
+    return out

@@ -156,12 +156,15 @@ def commit_parts(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str
 
 
 def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,
-                   k: int = WORK_SKETCH_K) -> np.ndarray:
-    """Per-part range sketches of ``tensors`` as they will arrive: float32 [num_parts, k]."""
-    out = np.zeros((len(layout), k), dtype="<f4")
-    for g, (i, start, length) in enumerate(layout.parts):
+                   k: int = WORK_SKETCH_K, parts: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Per-part range sketches of ``tensors`` as they will arrive: float32 [num_parts, k]
+    (with ``parts``, of those parts only, in that order: [len(parts), k])."""
+    wanted = range(len(layout)) if parts is None else parts
+    out = np.zeros((len(wanted), k), dtype="<f4")
+    for row, g in enumerate(wanted):
+        i, start, length = layout.parts[g]
         piece = tensors[i].detach().reshape(-1)[start:start + length]
-        out[g] = range_sketch(as_received(piece, compression), i, start, nonce, k=k).numpy()
+        out[row] = range_sketch(as_received(piece, compression), i, start, nonce, k=k).numpy()
     return out
 
 

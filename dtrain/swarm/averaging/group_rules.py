@@ -367,7 +367,7 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
                  banned=(), never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
                  bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0,
                  refused_size: int = 0, refused_reducers=(), accused_reducers: Optional[dict] = None,
-                 evidence: Optional[dict] = None) -> dict:
+                 unconfirmed_reducers: Optional[dict] = None, evidence: Optional[dict] = None) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
     ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
@@ -375,7 +375,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
     whose claims for our share did not prove out against their committed root; ``banned``: senders
     banned for any reason; ``failed_reducers``: reducer -> why its share stayed local;
     ``sending_failures``: reducer -> why *we* could not send it our parts (our fault: we are
-    FAIL, the reducer is not); ``never_started``: senders that never opened a stream to us.
+    FAIL, the reducer is not); ``never_started``: senders that never opened a stream to us;
+    ``unconfirmed_reducers``: reducer -> why our result check refused its parts (result_check.py).
     Peer ids.
 
     A member that never sent us anything *and* whose reducer said it is not in this group
@@ -387,6 +388,7 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
     failed_reducers = failed_reducers or {}
     sending_failures = sending_failures or {}
     accused_reducers = accused_reducers or {}
+    unconfirmed_reducers = unconfirmed_reducers or {}
     me = plan.peer_ids[plan.me]
     peers = []
     for i, peer in enumerate(plan.peer_ids):
@@ -417,6 +419,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
                                "counted into the group after it had left matchmaking: it never started this round")
         elif peer in banned:
             outcome, reason = Outcome.FAIL, "banned as sender (timeout, disconnect or protocol error)"
+        elif peer in unconfirmed_reducers:
+            outcome, reason = Outcome.FAIL, unconfirmed_reducers[peer]
         elif peer in accused_reducers:
             outcome, reason = Outcome.FAIL, accused_reducers[peer]
         elif peer in failed_reducers:

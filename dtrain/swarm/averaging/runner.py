@@ -22,8 +22,12 @@
   every receiver (the wall's register_failed_reducer), and named in our next gathers. One
   whose account leaves out or down-weights our own part (which only we can tell) is recorded
   FAIL, but its parts are applied, so that we hold what every other receiver holds.
+* The result check. After the butterfly the averager checks every applied part again under
+  the round's result seed (result_check.py); a reducer whose part fails it has its applied
+  parts zeroed here (:meth:`refuse_unconfirmed`) and is recorded FAIL.
 * Evidence. What we applied, and how each reducer accounted for it, is reported with the
-  round (``evidence``) for the secret-seed round audit a validator runs after it (audit.py).
+  round (``evidence``) for the secret-seed round audit a validator runs after it (audit.py),
+  with what the result check refused.
 
 Transport and the butterfly itself are hivemind's (the wall's ButterflyRunner).
 """
@@ -88,6 +92,9 @@ class CheckedRunner(ButterflyRunner):
         self.reply_notes: dict[tuple[int, int], bytes] = {}  # (reducer peer index, part) -> its account
         # reducer peer id -> how its account wronged our own part (recorded FAIL, still applied)
         self.accused_reducers: dict[str, str] = {}
+        # reducer peer id -> why the result check refused its parts (result_check.py)
+        self.unconfirmed_reducers: dict[str, str] = {}
+        self.result_check = None  # what the result check saw (a result_check.ResultCheck)
         # (part index, compression) -> (averaged part, future of its serialised form)
         self._serialized_cache: dict[tuple[int, int], tuple[torch.Tensor, asyncio.Future]] = {}
         super().__init__(**kwargs)
@@ -226,7 +233,54 @@ class CheckedRunner(ButterflyRunner):
         return None
 
     def outcome(self) -> dict:
-        return dict(super().outcome(), accused_reducers=dict(self.accused_reducers), evidence=self.evidence())
+        return dict(super().outcome(), accused_reducers=dict(self.accused_reducers),
+                    unconfirmed_reducers=dict(self.unconfirmed_reducers), evidence=self.evidence())
+
+    # -- the result check (result_check.py; the averager runs it after the butterfly) ---------
+    def applied_by_others(self) -> dict[int, tuple[int, tuple]]:
+        """Global part -> (reducer peer index, its coefficients) of every part another reducer
+        returned that we applied after its account checked out (empty without accounts)."""
+        return dict(self.applied_accounts) if self._checks_accounts() else {}
+
+    def own_share(self) -> range:
+        """The global indices of the parts we reduce ourselves."""
+        return range(*self.share_of(self._my_index))
+
+    @property
+    def my_sender_index(self) -> Optional[int]:
+        return self._my_sender_index
+
+    def claimed_norm(self, part: int, sender_index: int) -> float:
+        """The norm of sender ``sender_index``'s public claim for global part ``part``, as its reducer
+        forwarded it (0 when there is none)."""
+        peer_index, _ = self.applied_accounts.get(part, (None, None))
+        claims = self.forwarded_claims.get(peer_index) if peer_index is not None else None
+        if claims is None or sender_index >= len(claims) or claims[sender_index] is None:
+            return 0.0
+        first, _ = self.share_of(peer_index)
+        return float(torch.as_tensor(claims[sender_index][part - first], dtype=torch.float64).norm())
+
+    def digests_of(self, part: int) -> tuple:
+        """Each sender's committed digest of global part ``part`` (another reducer's), as forwarded."""
+        peer_index, _ = self.applied_accounts[part]
+        digests = self.forwarded_digests.get(peer_index)
+        first, _ = self.share_of(peer_index)
+        return tuple(None if digests is None or i >= len(digests) or digests[i] is None else bytes(digests[i][part - first])
+                     for i in range(len(self.sender_peer_ids)))
+
+    def refuse_unconfirmed(self, peer_index: int, tensors, reason: str) -> None:
+        """The result check refused a part of reducer ``peer_index``: every part of it we applied
+        becomes zeros (what every receiver of the same bytes does, as for a reducer refused
+        during the round), and it is recorded FAIL with ``reason``; it is left out of the evidence
+        of applied parts (the result check's own evidence holds what failed)."""
+        container = self.tensor_part_container
+        for g in [g for g, (p, _) in self.applied_accounts.items() if p == peer_index]:
+            param_index, start, length = self.layout.parts[g]
+            tensors[param_index].view(-1)[start:start + length].zero_()
+            container.failed_size += length
+            self.refused_size += length
+            del self.applied_accounts[g]
+        self.unconfirmed_reducers[str(self.ordered_peer_ids[peer_index])] = f"reducer #{peer_index} {reason}"
 
     def evidence(self) -> Optional[dict]:
         """What the secret-seed round audit reads (audit.RoundEvidence, in plain values): for every
@@ -254,7 +308,8 @@ class CheckedRunner(ButterflyRunner):
         for part_index, account in self.reducer.accounts.items():
             parts[first + part_index] = (str(self.peer_id), tuple(float(c) for c in account.coefficients),
                                          tuple(digest_of(own, i, part_index) for i in range(len(senders))))
-        return dict(senders=list(senders), parts=parts)
+        check = self.result_check.to_plain() if self.result_check is not None else None
+        return dict(senders=list(senders), parts=parts, result_check=check)
 
     def inspect_part(self, sender_index: int, part_index: int, part: torch.Tensor, wire: bytes):
         """Worker thread: ``(part_check, matches its claim and committed digest)`` of a received part."""

@@ -307,6 +307,7 @@ class GradientSwarm:
             self._bench[str(p)] = BENCH_ROUNDS
         record.total_weight = rep["total_weight"]
         record.allreduce_s = rep["allreduce_s"]
+        record.result_check_s = float(rep.get("result_check_s", 0.0))
         record.work_reports = dict(rep.get("work_reports") or {})
         record.evidence = self._evidence(rep.get("evidence"))
         if self.last_sent is not None:
@@ -337,13 +338,16 @@ class GradientSwarm:
     def _evidence(self, data):
         """The audit's RoundEvidence from the averager's plain values (None without accounts)."""
         from dtrain.swarm.averaging.audit import ReducedPart, RoundEvidence
+        from dtrain.swarm.averaging.result_check import ResultCheck
 
         if not isinstance(data, dict):
             return None
         compression = make_compression(self.config.compression)
         parts = {int(g): ReducedPart(reducer, tuple(c), tuple(d)) for g, (reducer, c, d) in data["parts"].items()}
+        check = data.get("result_check")
         return RoundEvidence(senders=list(data["senders"]), layout=self._part_layout(compression),
-                             compression=compression, parts=parts)
+                             compression=compression, parts=parts,
+                             result_check=ResultCheck.from_plain(check) if check else None)
 
     def _part_layout(self, compression):
         """hivemind's parts of our tensors under the wire codec (the same every round)."""

@@ -15,8 +15,8 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -144,7 +144,8 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
     """hivemind's DecentralizedAverager with hooks for dtrain's group step.
 
     Subclasses implement :meth:`average_with_group` (required), and may implement
-    :meth:`on_process_start`, :meth:`should_form_group` and :meth:`current_state`.
+    :meth:`on_process_start`, :meth:`should_form_group`, :meth:`current_state` and
+    :meth:`answer_member` (group members' questions after the butterfly, :meth:`ask_member`).
     ``matchmaking_key`` replaces hivemind's schema hash (peers with another key never meet).
     """
 
@@ -186,6 +187,11 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
 
     def current_state(self) -> Optional[tuple[Any, Sequence[torch.Tensor]]]:
         """``(metadata, tensors)`` for peers catching up; None: hivemind's own (the averaged tensors)."""
+        return None
+
+    async def answer_member(self, group_id: bytes, payload: bytes, asker: str) -> Optional[bytes]:
+        """Answer a group member's question after the butterfly (:meth:`ask_member` on its side);
+        None refuses. dtrain's: the sketches of our sent parts under the round's result seed."""
         return None
 
     def keep_private(self, user_gather: Any) -> Any:
@@ -252,6 +258,37 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
         else:
             async for _ in runner:
                 raise ValueError("auxiliary peers should not receive averaged tensors")
+
+    async def ask_member(self, peer_id: str, group_id: bytes, payload: bytes, timeout_s: float) -> Optional[bytes]:
+        """Ask a member of the group ``group_id`` a question (its :meth:`answer_member`): its
+        answer, or None when it refused, failed or did not answer within ``timeout_s``."""
+        request = averaging_pb2.AveragingData(
+            code=averaging_pb2.PART_FOR_AVERAGING, group_id=group_id,
+            tensor_part=runtime_pb2.Tensor(buffer=payload, size=[len(payload)], dtype="uint8"))
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            reply = await asyncio.wait_for(stub.rpc_ask_member(request), timeout_s)
+        except Exception as e:  # unreachable, gone, an older release without the handler, or slow
+            logger.debug("swarm: member %s did not answer: %r", peer_id, e)
+            return None
+        if reply.code != averaging_pb2.AVERAGED_PART:
+            return None
+        return bytes(reply.tensor_part.buffer)
+
+    async def rpc_ask_member(self, request: averaging_pb2.AveragingData,
+                             context: P2PContext) -> averaging_pb2.AveragingData:
+        """The handler behind :meth:`ask_member` (unary; answers are at most p2pd's 4 MiB message)."""
+        try:
+            answer = await self.answer_member(bytes(request.group_id), bytes(request.tensor_part.buffer),
+                                              str(context.remote_id))
+        except Exception as e:  # a malformed question is refused, never a crash of the averager
+            logger.debug("swarm: refused a member's question: %r", e)
+            answer = None
+        if answer is None:
+            return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+        return averaging_pb2.AveragingData(
+            code=averaging_pb2.AVERAGED_PART,
+            tensor_part=runtime_pb2.Tensor(buffer=answer, size=[len(answer)], dtype="uint8"))
 
     # -- hivemind overrides ----------------------------------------------------------------
     def run(self):
