@@ -351,7 +351,8 @@ def worker(args) -> int:
                         swarm._step = None
                         if r < 0:
                             continue  # warm-up: connections, caches and lazy imports; not reported
-                        out.append(dict(impl=impl, round=r, seconds=seconds, inner_allreduce_s=rec.allreduce_s, **clock,
+                        out.append(dict(impl=impl, round=r, seconds=seconds, inner_allreduce_s=rec.allreduce_s,
+                                        result_check_s=getattr(rec, "result_check_s", 0.0), **clock,
                                         cpu_allreduce=cpu_allreduce, cpu_round=cpu_round,
                                         local_equal=int((data == mine).sum()), peer_id=rec.local_peer_id,
                                         outcomes={p.peer_id: p.outcome.value for p in rec.peers},
@@ -544,6 +545,9 @@ def summarize_impl(rows: list[dict], rounds: int, size_mb: float, bound: float, 
         seconds_range=[min(per_round), max(per_round)],
         start_skew_s=statistics.median(skew),
         span_s=statistics.median(span),
+        # the receivers' result check after the butterfly (in `seconds`; the slowest peer's per round)
+        result_check_s=_median_range([max(row.get("result_check_s", 0.0) for row in rows if row["round"] == r)
+                                      for r in range(rounds)]),
         efficiency=bound / measured if measured > 0 else 0.0,
         efficiency_range=[bound / max(per_round), bound / min(per_round)] if min(per_round) > 0 else [0.0, 0.0],
         # CPU of the whole run_round/step call (commitments, matchmaking, butterfly) and of the

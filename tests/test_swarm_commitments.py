@@ -269,10 +269,10 @@ def test_a_peer_of_another_epoch_owns_no_share_and_sits_the_round_out(nodes):
 def test_a_reducer_whose_results_its_account_does_not_explain_is_failed_and_not_applied(nodes, alteration):
     """An honest sender that, as a reducer, returns its share negated, halved or with noise of 5 %
     of its norm (its account stays the true combination): every receiver checks each averaged
-    part against the senders' claims, records the reducer FAIL, and puts zeros in that share
-    (the same on every receiver: no re-sync needed); every other share is the honest mean. The
-    claims are public-seed sketches, so this catches any alteration that is not crafted into
-    their null space (issue #22)."""
+    part against the senders' claims, records the reducer FAIL, and re-reduces that share itself
+    from the senders' committed bytes (the same values on every receiver: no re-sync needed), so
+    every share is the honest mean. The claims are public-seed sketches, so this catches any
+    alteration that is not crafted into their null space (issue #22)."""
     torch.manual_seed(11)
     data = [[torch.randn(3000)] for _ in range(3)]
     reports = [honest_report(t, 8) for t in data]
@@ -285,11 +285,9 @@ def test_a_reducer_whose_results_its_account_does_not_explain_is_failed_and_not_
         assert r.outcome_of(cheat) == Outcome.FAIL, r
         assert "account does not explain" in _reason(r, cheat)
         assert r.outcome_of(swarms[1 - i].peer_id) == Outcome.SUCCESS
-        got = data[i][0]
-        refused = got == 0  # the cheat's share
-        assert bool(torch.isclose(got[~refused], mean[~refused], atol=1e-5).all())
-        assert 0 < int(refused.sum()) < got.numel()
-        assert r.fraction_refused == pytest.approx(int(refused.sum()) / got.numel()) and r.in_step
+        torch.testing.assert_close(data[i][0], mean, rtol=0, atol=1e-5)  # its share re-reduced too
+        assert 0 < r.fraction_recovered < 1 and r.fraction_refused == 0
+        assert r.fraction_averaged == 1.0 and r.in_step
     assert torch.equal(data[0][0], data[1][0])  # the honest receivers hold the same values
 
 
@@ -330,7 +328,7 @@ def test_an_honest_group_passes_every_account_check_under_both_rules(nodes, aggr
 
 def test_a_refused_reducer_is_benched_by_the_group_in_the_next_rounds(nodes):
     """Three rounds of the same four swarms, one of which negates its share as a reducer: in the
-    first it is refused by every receiver (its share zeros everywhere); each receiver names it in
+    first it is refused by every receiver (which re-reduce its share); each receiver names it in
     its next gathers, so in the second round the majority benches it: it reduces no share, its
     contribution is still averaged, it is recorded FAIL, and every honest peer holds the full
     average of all four."""
@@ -354,7 +352,8 @@ def test_a_refused_reducer_is_benched_by_the_group_in_the_next_rounds(nodes):
                 assert all(r.outcome_of(s.peer_id) == Outcome.SUCCESS for s in swarms[:3])
                 if round_no == 0:
                     assert "account does not explain" in _reason(r, cheat)
-                    assert 0 < r.fraction_refused < 1 and r.in_step
+                    assert 0 < r.fraction_recovered < 1 and r.fraction_averaged == 1.0 and r.in_step
+                    torch.testing.assert_close(data[i][0], mean, rtol=0, atol=1e-5)
                 else:
                     assert "benched" in _reason(r, cheat)
                     assert r.fraction_averaged == 1.0

@@ -77,6 +77,9 @@ class RoundRecord:
     # share that is zeros because its reducer was refused for what it returned (the same on every
     # receiver of those bytes); what is neither kept this peer's local values
     fraction_refused: float = 0.0
+    # share of the averaged values this peer re-reduced itself, from the senders' bytes, for a
+    # refused reducer (the same on every receiver of the same bytes; counted in fraction_averaged)
+    fraction_recovered: float = 0.0
     total_weight: float = 0.0  # sum of capped weights of contributing peers, as reduced by this peer
     num_elements: int = 0
     model_fingerprint: str = ""

@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,17 @@ from dtrain.swarm.averaging.runner import CheckedRunner
 from dtrain.swarm.hivemind_internals import AveragerProcess, Group, load_balance
 
 logger = logging.getLogger(__name__)
+
+@dataclass
+class _KeptRound:
+    """What we sent in our last committed round, kept for the members' questions after it."""
+
+    group_id: bytes
+    members: frozenset
+    sent: object  # audit.SentContribution
+    by_seed: dict = field(default_factory=dict)  # result seed -> future of its sketches
+    served: dict = field(default_factory=dict)  # member -> the parts whose bytes it was sent
+
 
 # The least time a member is given to answer the result check's question (its sender timeout
 # when longer): it sketches what it sent once per round, a fraction of a second per 16 MiB.
@@ -84,8 +96,7 @@ class SwarmAverager(AveragerProcess):
         self._layout_cache = None
         self._own_claims = None  # this step's claims [num_parts, k] (float32), kept out of the gather
         self._own_digests = None  # and its parts' digests (32 bytes each)
-        # what we sent in our last committed round, for the members' result checks: (group id,
-        # members, audit.SentContribution, result seed -> future of its sketches [num_parts, k])
+        # what we sent in our last committed round, for the members' questions (a _KeptRound)
         self._sent = None
         super().__init__(averaged_tensors, dht, matchmaking_key=matchmaking_key(kwargs["prefix"]), start=start,
                          **kwargs)
@@ -153,6 +164,7 @@ class SwarmAverager(AveragerProcess):
             allreduce_s = time.monotonic() - t_start
             if plan.receives:
                 await self._check_results(group, runner, local_tensors)
+                await self._re_reduce(group, runner, local_tensors)
             check_s = time.monotonic() - t_start - allreduce_s
         report = self._report(plan, group, runner)
         report["allreduce_s"] = allreduce_s
@@ -170,26 +182,33 @@ class SwarmAverager(AveragerProcess):
         if layout is None or not committed:
             return
         sent = SentContribution([t.detach().clone() for t in tensors], layout, group.compression, group.round_id)
-        self._sent = (group.group_id, frozenset(group.peer_ids), sent, {})
+        self._sent = _KeptRound(group.group_id, frozenset(group.peer_ids), sent)
 
     async def answer_member(self, group_id: bytes, payload: bytes, asker: str):
         kept = self._sent
-        if kept is None or kept[0] != group_id or asker not in kept[1]:
+        if kept is None or kept.group_id != group_id or asker not in kept.members:
             return None  # not our last committed round, or not a member of it
-        seed, parts = result_check.decode_ask(payload, len(kept[2].layout))
-        sketches = await self._sent_sketches(kept, seed)
-        return None if sketches is None else result_check.encode_answer(sketches[parts])
+        kind, seed, parts = result_check.decode_ask(payload, len(kept.sent.layout))
+        if kind == result_check.ASK_SKETCHES:
+            sketches = await self._sent_sketches(kept, seed)
+            return None if sketches is None else result_check.encode_answer(sketches[parts])
+        # our parts' bytes, for a refused reducer's share: each member gets each part at most once
+        served = kept.served.setdefault(asker, set())
+        if served & set(parts):
+            return None
+        served.update(parts)
+        wires = await asyncio.get_event_loop().run_in_executor(None, lambda: [kept.sent.wire(g) for g in parts])
+        return result_check.encode_wires(wires)
 
     async def _sent_sketches(self, kept, seed: bytes):
         """The sketches [num_parts, k] of what we sent under ``seed``'s nonce, computed once per
         seed (every honest member asks with the same one); None past MAX_SEEDS_PER_ROUND."""
-        _, _, sent, by_seed = kept
-        future = by_seed.get(seed)
+        future = kept.by_seed.get(seed)
         if future is None:
-            if len(by_seed) >= result_check.MAX_SEEDS_PER_ROUND:
+            if len(kept.by_seed) >= result_check.MAX_SEEDS_PER_ROUND:
                 return None
-            future = by_seed[seed] = asyncio.get_event_loop().run_in_executor(
-                None, sent.sketches, result_check.result_nonce(seed))
+            future = kept.by_seed[seed] = asyncio.get_event_loop().run_in_executor(
+                None, kept.sent.sketches, result_check.result_nonce(seed))
         return await asyncio.shield(future)
 
     async def _check_results(self, group: Group, runner: CheckedRunner, tensors) -> None:
@@ -215,13 +234,13 @@ class SwarmAverager(AveragerProcess):
                 if c > 0:
                     wanted.setdefault(i, []).append(g)
         senders = runner.sender_ids
-        timeout_s = max(RESULT_CHECK_MIN_TIMEOUT_S, float(runner.sender_timeout or 0.0))
+        timeout_s = self._question_timeout(runner)
 
         async def answers_of(i: int):
             parts = wanted[i]
             if i == runner.my_sender_index:
                 kept = self._sent
-                sketches = await self._sent_sketches(kept, seed) if kept and kept[0] == group.group_id else None
+                sketches = await self._sent_sketches(kept, seed) if kept and kept.group_id == group.group_id else None
                 return None if sketches is None else {g: sketches[g] for g in parts}
             got: dict[int, object] = {}
             for at in range(0, len(parts), result_check.MAX_ASK_PARTS):
@@ -257,6 +276,97 @@ class SwarmAverager(AveragerProcess):
             logger.warning("swarm: refusing reducer %s: %s", runner.ordered_peer_ids[peer_index], result_check.REASON)
             runner.refuse_unconfirmed(peer_index, tensors, result_check.REASON)
         runner.result_check = check
+
+    @staticmethod
+    def _question_timeout(runner: CheckedRunner) -> float:
+        return max(RESULT_CHECK_MIN_TIMEOUT_S, float(runner.sender_timeout or 0.0))
+
+    async def _re_reduce(self, group: Group, runner: CheckedRunner, tensors) -> None:
+        """Every receiver re-reduces a refused reducer's share itself, from the senders' bytes.
+
+        A refused reducer's share would otherwise be zeros for the round (a quarter of a step
+        lost to one cheat in four). Its senders still keep what they sent; we fetch each weighted
+        sender's bytes for the share's zeroed parts, check them as the reducer should have (the
+        digest each committed, finiteness, its announced norm, its claim), and combine them
+        under the reducer's own rule and weights, in sender order. Every honest receiver does
+        the same with the same bytes, so all hold the same values. A part for which any
+        weighted sender's bytes are missing stays zeros (a part combined from fewer senders
+        would differ from another receiver's).
+        """
+        plan = runner.refused_parts()
+        if not plan:
+            return
+        from dtrain.swarm.averaging.claims_tree import part_digest
+        from dtrain.swarm.averaging.contribution import decode_wire, part_matches_claim
+        from dtrain.swarm.averaging.reducer import part_check, within_norm
+
+        loop = asyncio.get_event_loop()
+        senders, layout, compression = runner.sender_ids, runner.layout, runner.wire_compression
+        timeout_s = self._question_timeout(runner)
+        per_question = max(1, result_check.MAX_ANSWER_BYTES // max(1, group.part_size_bytes))
+
+        async def bytes_of(i: int, parts: list[int]) -> dict[int, bytes]:
+            kept = self._sent
+            if i == runner.my_sender_index:
+                if kept is None or kept.group_id != group.group_id:
+                    return {}
+                return dict(zip(parts, await loop.run_in_executor(None, lambda: [kept.sent.wire(g) for g in parts])))
+            got: dict[int, bytes] = {}
+            for at in range(0, len(parts), per_question):
+                chunk = parts[at:at + per_question]
+                wires = result_check.decode_wires(
+                    await self.ask_member(senders[i], group.group_id, result_check.encode_fetch(chunk), timeout_s),
+                    len(chunk))
+                if wires is None:
+                    break
+                got.update(zip(chunk, wires))
+            return got
+
+        def combine(k: int, g: int, wires: dict[int, bytes], weights, robust: bool):
+            param_index, start, length = layout.parts[g]
+            parts, used = [], []
+            for i in sorted(wires):
+                digest, claim = runner.sender_proof(k, i, g)
+                if digest is None or part_digest(wires[i]) != digest:
+                    return None  # not the committed bytes: nothing every receiver would agree on
+                try:
+                    x = decode_wire(wires[i], length, compression)
+                except ValueError:
+                    return None
+                finite, norm = part_check(x)
+                bound = runner.sender_norms[i] if runner.sender_norms is not None else None
+                if not finite or (bound is not None and not within_norm(norm, bound)) \
+                        or not part_matches_claim(x, claim, param_index, start, runner.claims_nonce):
+                    continue  # what the reducer should have refused: left out, as it would have been
+                parts.append(x.float())
+                used.append(float(weights[i]))
+            if not parts:
+                return None
+            if robust:
+                from dtrain.swarm.averaging.centered_clip import clip_account
+
+                return clip_account(parts, used)[0]
+            w = torch.tensor(used, dtype=torch.float64)
+            return (torch.stack([p.double() for p in parts]) * w[:, None]).sum(0).div_(w.sum()).float()
+
+        for k, parts in plan.items():
+            rule = runner.reducer_rules.get(k)
+            if rule is None:
+                continue
+            weights, robust = rule
+            needed = [i for i, w in enumerate(weights) if w > 0]
+            fetched = dict(zip(needed, await asyncio.gather(*(bytes_of(i, parts) for i in needed))))
+            recovered = 0
+            for g in parts:
+                wires = {i: fetched[i][g] for i in needed if g in fetched[i]}
+                if len(wires) != len(needed):
+                    continue
+                values = await loop.run_in_executor(None, combine, k, g, wires, weights, robust)
+                if values is not None:
+                    runner.write_recovered(g, tensors, values)
+                    recovered += 1
+            logger.info("swarm: re-reduced %d of %d refused parts of reducer %s", recovered, len(parts),
+                        runner.ordered_peer_ids[k])
 
     def make_runner(self, group: Group, tensors, plan: group_rules.GroupPlan, peer_fractions, layout, **extra):
         """The group's runner (tests substitute ``runner_class`` and pass ``extra`` arguments)."""

@@ -367,7 +367,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
                  banned=(), never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
                  bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0,
                  refused_size: int = 0, refused_reducers=(), accused_reducers: Optional[dict] = None,
-                 unconfirmed_reducers: Optional[dict] = None, evidence: Optional[dict] = None) -> dict:
+                 unconfirmed_reducers: Optional[dict] = None, recovered_size: int = 0,
+                 evidence: Optional[dict] = None) -> dict:
     """Each member's outcome and the round's figures, from this peer's view.
 
     ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
@@ -440,6 +441,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
         # of the rest, what is zeros because its reducer was refused for what it returned: the
         # same on every receiver of the same bytes (the remainder kept this peer's local values)
         fraction_refused=0.0 if not plan.receives else refused_size / total,
+        # of the averaged share, what receivers re-reduced themselves for a refused reducer
+        fraction_recovered=0.0 if not plan.receives else recovered_size / total,
         refused=list(refused_reducers),
         total_weight=float(sum(p["weight_used"] for p in peers)),
         evidence=evidence if plan.receives else None,  # for the secret-seed round audit (audit.py)

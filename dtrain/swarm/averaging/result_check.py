@@ -79,24 +79,68 @@ def result_nonce(seed: bytes) -> str:
     return RESULT_NONCE_PREFIX + bytes(seed).hex()
 
 
+# The two questions a member asks (the first byte of a question)
+ASK_SKETCHES = b"S"  # the sketches of parts under a result seed
+ASK_BYTES = b"B"  # the wire bytes of parts (to re-reduce a refused reducer's share)
+# Bytes of wire form per answer to ASK_BYTES: within p2pd's 4 MiB message.
+MAX_ANSWER_BYTES = 3 << 20
+
+
 def encode_ask(seed: bytes, parts: Sequence[int]) -> bytes:
-    """A question: the seed, then the global part indices wanted (u32, ascending)."""
+    """A question for sketches: the kind, the seed, then the global part indices wanted (u32, ascending)."""
     if len(seed) != SEED_BYTES or not 0 < len(parts) <= MAX_ASK_PARTS:
         raise ValueError("a question names one 32-byte seed and 1 to MAX_ASK_PARTS parts")
-    return bytes(seed) + np.asarray(parts, dtype="<u4").tobytes()
+    return ASK_SKETCHES + bytes(seed) + np.asarray(parts, dtype="<u4").tobytes()
 
 
-def decode_ask(payload: bytes, num_parts: int) -> tuple[bytes, list[int]]:
-    """``(seed, parts)`` of a question; ValueError naming what is wrong with it."""
-    body = payload[SEED_BYTES:]
-    if len(payload) < SEED_BYTES + 4 or len(body) % 4:
-        raise ValueError("a question is a 32-byte seed and whole u32 part indices")
+def encode_fetch(parts: Sequence[int]) -> bytes:
+    """A question for the wire bytes of the given global parts (u32, ascending)."""
+    if not 0 < len(parts) <= MAX_ASK_PARTS:
+        raise ValueError("a question names 1 to MAX_ASK_PARTS parts")
+    return ASK_BYTES + np.asarray(parts, dtype="<u4").tobytes()
+
+
+def decode_ask(payload: bytes, num_parts: int) -> tuple[bytes, Optional[bytes], list[int]]:
+    """``(kind, seed or None, parts)`` of a question; ValueError naming what is wrong with it."""
+    kind, payload = bytes(payload[:1]), bytes(payload[1:])
+    if kind == ASK_SKETCHES:
+        seed, body = payload[:SEED_BYTES], payload[SEED_BYTES:]
+        if len(seed) < SEED_BYTES:
+            raise ValueError("a question for sketches starts with a 32-byte seed")
+    elif kind == ASK_BYTES:
+        seed, body = None, payload
+    else:
+        raise ValueError("a question asks for sketches (S) or bytes (B)")
+    if not body or len(body) % 4:
+        raise ValueError("a question names whole u32 part indices")
     parts = np.frombuffer(body, dtype="<u4")
     if len(parts) > MAX_ASK_PARTS:
         raise ValueError(f"a question names at most {MAX_ASK_PARTS} parts")
     if (parts >= num_parts).any() or (np.diff(parts.astype(np.int64)) <= 0).any():
         raise ValueError(f"part indices must ascend and be below {num_parts}")
-    return bytes(payload[:SEED_BYTES]), [int(g) for g in parts]
+    return kind, seed, [int(g) for g in parts]
+
+
+def encode_wires(wires: Sequence[bytes]) -> bytes:
+    """An answer of wire bytes: per part, u32 length then the bytes."""
+    return b"".join(struct.pack("<I", len(w)) + bytes(w) for w in wires)
+
+
+def decode_wires(data: Optional[bytes], count: int) -> Optional[list[bytes]]:
+    """The ``count`` wire forms of an answer, or None (no answer, or malformed)."""
+    if data is None:
+        return None
+    out, at = [], 0
+    for _ in range(count):
+        if at + 4 > len(data):
+            return None
+        (n,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if at + n > len(data):
+            return None
+        out.append(bytes(data[at:at + n]))
+        at += n
+    return out if at == len(data) else None
 
 
 def encode_answer(sketches: np.ndarray) -> bytes:

@@ -24,7 +24,9 @@
   FAIL, but its parts are applied, so that we hold what every other receiver holds.
 * The result check. After the butterfly the averager checks every applied part again under
   the round's result seed (result_check.py); a reducer whose part fails it has its applied
-  parts zeroed here (:meth:`refuse_unconfirmed`) and is recorded FAIL.
+  parts zeroed here (:meth:`refuse_unconfirmed`) and is recorded FAIL. Then the averager
+  re-reduces every refused reducer's zeroed parts itself from the senders' committed bytes
+  (:meth:`refused_parts`, :meth:`sender_proof`, :meth:`write_recovered`).
 * Evidence. What we applied, and how each reducer accounted for it, is reported with the
   round (``evidence``) for the secret-seed round audit a validator runs after it (audit.py),
   with what the result check refused.
@@ -94,6 +96,8 @@ class CheckedRunner(ButterflyRunner):
         self.accused_reducers: dict[str, str] = {}
         # reducer peer id -> why the result check refused its parts (result_check.py)
         self.unconfirmed_reducers: dict[str, str] = {}
+        self._unconfirmed_indices: set[int] = set()
+        self.recovered_size = 0  # values of refused shares re-reduced from the senders' bytes
         self.result_check = None  # what the result check saw (a result_check.ResultCheck)
         # (part index, compression) -> (averaged part, future of its serialised form)
         self._serialized_cache: dict[tuple[int, int], tuple[torch.Tensor, asyncio.Future]] = {}
@@ -234,7 +238,8 @@ class CheckedRunner(ButterflyRunner):
 
     def outcome(self) -> dict:
         return dict(super().outcome(), accused_reducers=dict(self.accused_reducers),
-                    unconfirmed_reducers=dict(self.unconfirmed_reducers), evidence=self.evidence())
+                    unconfirmed_reducers=dict(self.unconfirmed_reducers), evidence=self.evidence(),
+                    recovered_size=int(self.recovered_size))
 
     # -- the result check (result_check.py; the averager runs it after the butterfly) ---------
     def applied_by_others(self) -> dict[int, tuple[int, tuple]]:
@@ -279,8 +284,54 @@ class CheckedRunner(ButterflyRunner):
             tensors[param_index].view(-1)[start:start + length].zero_()
             container.failed_size += length
             self.refused_size += length
+            self.zeroed.add((peer_index, g - self.share_of(peer_index)[0]))
             del self.applied_accounts[g]
         self.unconfirmed_reducers[str(self.ordered_peer_ids[peer_index])] = f"reducer #{peer_index} {reason}"
+        self._unconfirmed_indices.add(peer_index)
+
+    # -- re-reducing a refused reducer's share (the averager's _re_reduce) -----------------------
+    def refused_parts(self) -> dict[int, list[int]]:
+        """Refused reducer's peer index -> the global parts of its share that are zeros here
+        because it was refused (during the butterfly, or by the result check), ascending."""
+        if not self._checks_accounts():
+            return {}
+        out: dict[int, list[int]] = {}
+        for k, part_index in sorted(self.zeroed):
+            if k != self._my_index:
+                out.setdefault(k, []).append(self.share_of(k)[0] + part_index)
+        return out
+
+    def _share_holder(self, part: int) -> tuple[int, int]:
+        """(reducer peer index, first global part of its share) of global part ``part``."""
+        for k in range(len(self.ordered_peer_ids)):
+            first, end = self.share_of(k)
+            if first <= part < end:
+                return k, first
+        raise IndexError(f"part {part} is in no share")
+
+    def sender_proof(self, reducer_index: int, sender_index: int, part: int):
+        """``(digest, claim)`` sender ``sender_index`` committed for global part ``part`` of the
+        reducer ``reducer_index``'s share, as that reducer forwarded them (ours from our own
+        tree); ``(None, None)`` when we do not hold them."""
+        first, _ = self.share_of(reducer_index)
+        if sender_index == self._my_sender_index and self.own_tree is not None:
+            return bytes(self.own_tree.digests[part]), self.own_tree.claims[part]
+        digests = self.forwarded_digests.get(reducer_index)
+        claims = self.forwarded_claims.get(reducer_index)
+        if not digests or not claims or sender_index >= len(digests) or digests[sender_index] is None \
+                or claims[sender_index] is None:
+            return None, None
+        return bytes(digests[sender_index][part - first]), claims[sender_index][part - first]
+
+    def write_recovered(self, part: int, tensors, values: torch.Tensor) -> None:
+        """A refused share's part, re-reduced: it replaces the zeros (it is averaged after all)."""
+        param_index, start, length = self.layout.parts[part]
+        tensors[param_index].view(-1)[start:start + length].copy_(values.reshape(-1))
+        peer_index, _ = self._share_holder(part)
+        self.zeroed.discard((peer_index, part - self.share_of(peer_index)[0]))
+        self.tensor_part_container.failed_size -= length
+        self.refused_size -= length
+        self.recovered_size += length
 
     def evidence(self) -> Optional[dict]:
         """What the secret-seed round audit reads (audit.RoundEvidence, in plain values): for every

@@ -301,6 +301,7 @@ class GradientSwarm:
         record.bytes_received = rep["bytes_received"]
         record.fraction_averaged = rep["fraction_averaged"]
         record.fraction_refused = rep.get("fraction_refused", 0.0)
+        record.fraction_recovered = rep.get("fraction_recovered", 0.0)
         # reducers refused for what they returned are named in our next gathers (group_rules.bench_votes)
         self._bench = {p: n - 1 for p, n in self._bench.items() if n > 1}
         for p in rep.get("refused", ()):

@@ -51,6 +51,7 @@ class ButterflyRunner(AllReduceRunner):
         # reducers refused for what they returned (a failed check): their share becomes zeros
         self.refused_reducers: set[int] = set()
         self.refused_size = 0
+        self.zeroed: set[tuple[int, int]] = set()  # (reducer peer index, part index in its share) now zeros
         old = self.tensor_part_reducer  # hivemind's: retired quietly, replaced by ours (same shapes)
         old.finished.set()
         old.current_part_future.cancel()
@@ -84,6 +85,7 @@ class ButterflyRunner(AllReduceRunner):
                         register(peer_index, part_index, torch.zeros_like(local))
                         container.failed_size += local.numel()
                         self.refused_size += local.numel()
+                        self.zeroed.add((peer_index, part_index))
                 else:
                     register_failed(peer_index)  # hivemind's: our own local values
             finally:
