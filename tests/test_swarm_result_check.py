@@ -243,3 +243,32 @@ def test_a_sender_that_does_not_answer_blocks_nothing(nodes):
             assert r.evidence.result_check.failed == {} and r.fraction_averaged == 1.0
     finally:
         _close(swarms)
+
+
+@pytest.mark.slow
+def test_what_a_peer_sent_is_kept_once_in_its_averager_until_its_next_round(nodes):
+    """The neuron's last_sent asks the averager process, which keeps the one copy: its bytes are
+    the ones sent, and once the next round begins the old round is gone (LookupError: the
+    miner's round-audit handler answers 404 for it)."""
+    from dtrain.swarm.averaging.audit import SentContribution
+    from dtrain.swarm.averaging.swarm import KeptContribution
+
+    swarms, recs, applied, data = _round(nodes, 3)
+    try:
+        first = swarms[0].last_sent
+        assert isinstance(first, KeptContribution) and first.round_id == recs[0].round_id
+        mine = SentContribution(data[0], first.layout, first.compression)
+        assert first.wire(1) == mine.wire(1)
+        assert np.array_equal(first.sketches("n1"), mine.sketches("n1"))
+        with pytest.raises(IndexError):
+            first.wire(len(first.layout))
+        again = [[d[0] + 1.0] for d in data]
+        run_concurrently([lambda i=i: swarms[i].run_round(again[i], weight=8, cap=100, work=honest_report(again[i], 8),
+                                                          work_nonce=NONCE) for i in range(3)])
+        with pytest.raises(LookupError):
+            first.sketches("n1")
+        assert swarms[0].last_sent.round_id != first.round_id
+        assert swarms[0].last_sent.wire(1) == SentContribution([data[0][0] + 1.0], first.layout,
+                                                               first.compression).wire(1)
+    finally:
+        _close(swarms)

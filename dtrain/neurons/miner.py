@@ -419,11 +419,14 @@ class Miner(NeuronBase):
         if sent is None or not sent.round_id or sent.round_id != request.group:
             raise HandlerError(404, f"no committed round {request.group} kept here (only the last round is)")
         parts = len(sent.layout)
-        if request.part is not None:
-            if request.part >= parts:
-                raise HandlerError(422, f"field 'part' must be below {parts}")
-            return RoundAuditResponse(parts=parts, wire=base64.b64encode(sent.wire(request.part)).decode())
-        sketches = sent.sketches(audit_nonce(bytes.fromhex(request.seed)))
+        if request.part is not None and request.part >= parts:
+            raise HandlerError(422, f"field 'part' must be below {parts}")
+        try:
+            if request.part is not None:
+                return RoundAuditResponse(parts=parts, wire=base64.b64encode(sent.wire(request.part)).decode())
+            sketches = sent.sketches(audit_nonce(bytes.fromhex(request.seed)))
+        except LookupError as exc:  # the averager no longer keeps it (its next round began)
+            raise HandlerError(404, f"no committed round {request.group} kept here: {exc}") from None
         return RoundAuditResponse(parts=parts, sketches=base64.b64encode(sketches.tobytes()).decode())
 
     def _catch_up_if_behind(self, epoch: int, sketch) -> None:

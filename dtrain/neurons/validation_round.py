@@ -346,11 +346,17 @@ def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=
                 reports[peer] = sketches
     own = getattr(swarm, "last_sent", None)
     if own is not None and own.round_id == record.round_id:
-        reports[swarm.peer_id] = own.sketches(nonce)
+        try:
+            reports[swarm.peer_id] = own.sketches(nonce)
+        except LookupError:
+            reports[swarm.peer_id] = None
 
     def fetch(peer: str, part: int):
         if peer == swarm.peer_id:
-            return own.wire(part) if own is not None else None
+            try:
+                return own.wire(part) if own is not None else None
+            except (LookupError, IndexError):
+                return None
         if peer not in where:
             return None
         api, hotkey = where[peer]

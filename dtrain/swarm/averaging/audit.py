@@ -7,8 +7,8 @@ its result, and every claim, binding check and account still passes. So after a 
 validator draws a fresh seed (it exists only once every part has been sent and every result
 returned) and checks the round again under it:
 
-* **What each sender sent.** Every member keeps what it sent in its last round
-  (:class:`SentContribution`) and answers, under the validator's seed, the sketch of each of its
+* **What each sender sent.** Every member's averager process keeps what it sent in its last
+  round (:class:`SentContribution`; the neuron asks it through swarm.KeptContribution) and answers, under the validator's seed, the sketch of each of its
   parts as a receiver decodes it (:meth:`SentContribution.sketches`).
 * **What each reducer returned** (:func:`audit_round`). The validator holds every reducer's
   result, the account that came with it (the coefficients of the combination, accounts.py) and,
@@ -58,7 +58,8 @@ def audit_nonce(seed: bytes) -> str:
 
 @dataclass
 class SentContribution:
-    """What this peer sent in its last round, kept so it can answer that round's audit.
+    """What this peer sent in its last round, kept (by the averager process) so it can answer
+    that round's result checks and audit.
 
     One copy of the contribution, float32 on CPU, replaced by the next round's (memory stays
     flat). Sketches and bytes are computed from it on demand: the codec is deterministic, so

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -174,8 +175,9 @@ class SwarmAverager(AveragerProcess):
 
     # -- the result check (result_check.py) ----------------------------------------------------
     def _keep_sent(self, group: Group, tensors, layout, committed: bool) -> None:
-        """Keep a copy of what we are about to send (the members check their results against its
-        sketches), replacing the last round's: memory stays flat."""
+        """Keep a copy of what we are about to send, replacing the last round's (memory stays
+        flat): the members check their results against its sketches, re-reduce a refused share
+        from its bytes, and the validators' round audit asks for both (through the caller)."""
         from dtrain.swarm.averaging.audit import SentContribution
 
         self._sent = None
@@ -199,6 +201,24 @@ class SwarmAverager(AveragerProcess):
         served.update(parts)
         wires = await asyncio.get_event_loop().run_in_executor(None, lambda: [kept.sent.wire(g) for g in parts])
         return result_check.encode_wires(wires)
+
+    async def _answer_caller(self, round_id: str, nonce: Optional[str], part: Optional[int], future) -> None:
+        """For the caller's process (swarm.KeptContribution, through call_in_process): the
+        sketches of what we sent in round ``round_id`` under ``nonce``, or part ``part``'s wire
+        bytes; None when that is not the round we keep. The one copy of it lives here."""
+        try:
+            kept = self._sent
+            if kept is None or kept.sent.round_id != round_id:
+                future.set_result(None)
+                return
+            loop = asyncio.get_event_loop()
+            if part is not None:
+                result = await loop.run_in_executor(None, kept.sent.wire, part)
+            else:
+                result = await loop.run_in_executor(None, kept.sent.sketches, nonce)
+            future.set_result(result)
+        except BaseException as exc:  # IndexError for a part we do not have: the caller's to word
+            future.set_exception(exc)
 
     async def _sent_sketches(self, kept, seed: bytes):
         """The sketches [num_parts, k] of what we sent under ``seed``'s nonce, computed once per

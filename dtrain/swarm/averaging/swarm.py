@@ -73,6 +73,46 @@ def wait_unless_stopped(future, stop: Optional[threading.Event], timeout_s: Opti
             raise NoAnswer("the process that owed the answer is not running")
 
 
+# How long the neuron waits for its averager process to sketch (or serialise a part of) what it
+# sent: a model's worth of sketches takes seconds on a CPU.
+KEPT_ANSWER_TIMEOUT_S = 300.0
+
+
+class KeptContribution:
+    """What this peer sent in its last committed round, for the validators' round audit: its
+    averager process keeps the one copy (it answers the members' result checks from it too), and
+    this asks it. The interface of audit.SentContribution; LookupError once the averager no
+    longer keeps the round (its next round began, or it went away)."""
+
+    def __init__(self, averager, round_id: str, layout, compression):
+        self._averager = averager
+        self.round_id = round_id
+        self.layout = layout
+        self.compression = compression
+
+    def _ask(self, **kwargs):
+        try:
+            answer = self._averager.call_in_process("_answer_caller", KEPT_ANSWER_TIMEOUT_S, round_id=self.round_id,
+                                                    **kwargs)
+        except (IndexError, ValueError):
+            raise
+        except Exception as exc:  # the averager went away, or did not answer in time
+            raise LookupError(f"the averager could not answer for round {self.round_id}: {exc!r}") from exc
+        if answer is None:
+            raise LookupError(f"round {self.round_id} is no longer kept (only the last round is)")
+        return answer
+
+    def sketches(self, nonce: str):
+        """float32 [num_parts, k]: each part's sketch under ``nonce``, as a receiver decodes it."""
+        return self._ask(nonce=nonce, part=None)
+
+    def wire(self, part: int) -> bytes:
+        """The wire bytes of part ``part`` (IndexError when there is no such part)."""
+        if not 0 <= part < len(self.layout):
+            raise IndexError(f"part {part} of {len(self.layout)}")
+        return self._ask(nonce=None, part=int(part))
+
+
 class GradientSwarm:
     """One averaging participant. Create once per model; call :meth:`run_round` per global step.
 
@@ -111,8 +151,10 @@ class GradientSwarm:
         # (bounded by the peers we meet; kept in memory: a restart forgets, which only delays
         # a bench by one refusal)
         self._bench: dict[str, int] = {}
-        # what we sent in our last committed round, for its secret-seed audit (audit.py)
+        # what we sent in our last committed round, for its secret-seed audit (audit.py): a
+        # KeptContribution, whose one copy the averager process keeps
         self.last_sent = None
+        self._committed = False
         cfg = self.config
         self._averager = self._new_averager(
             self._buffers,
@@ -210,6 +252,7 @@ class GradientSwarm:
         self.last_sent = None
         commitment, claims, digests = (self._commitment(tensors, work, work_nonce) if work_nonce is not None
                                        else (None, None, None))
+        self._committed = commitment is not None
         gather = make_gather(
             fingerprint=self.fingerprint, schema=self._schema, weight=weight, cap=cap, norm=norm,
             max_norm_ratio=cfg.max_norm_ratio, peer_caps=peer_caps, aggregation=cfg.aggregation,
@@ -311,8 +354,10 @@ class GradientSwarm:
         record.result_check_s = float(rep.get("result_check_s", 0.0))
         record.work_reports = dict(rep.get("work_reports") or {})
         record.evidence = self._evidence(rep.get("evidence"))
-        if self.last_sent is not None:
-            self.last_sent.round_id = record.round_id
+        if self._committed and record.round_id:
+            compression = make_compression(self.config.compression)
+            self.last_sent = KeptContribution(self._averager, record.round_id, self._part_layout(compression),
+                                              compression)
         if rep.get("out_of_step"):
             record.error = rep["out_of_step"]  # nothing of this group is ours to apply
             return
@@ -323,16 +368,14 @@ class GradientSwarm:
     def _commitment(self, tensors, work, nonce: str) -> tuple[dict, bytes, bytes]:
         """(the gather's commitment, the claims and part digests it commits to): those go to our
         averager, which hands each reducer those of its share (contribution.py). What we send is
-        kept until the next round, for this round's secret-seed audit (audit.py)."""
-        from dtrain.swarm.averaging.audit import SentContribution
+        kept by the averager process until its next round (last_sent asks it), for this round's
+        audits (result_check.py, audit.py)."""
         from dtrain.swarm.averaging.contribution import Commitment, commit_parts
         from dtrain.training.work import WorkReport
 
         compression = make_compression(self.config.compression)
-        sent = [t.detach().float().cpu().clone() for t in tensors]
         layout = self._part_layout(compression)
-        claims, digests = commit_parts(sent, layout, nonce, compression)
-        self.last_sent = SentContribution(sent, layout, compression)
+        claims, digests = commit_parts([t.detach().float().cpu() for t in tensors], layout, nonce, compression)
         report = work if work is not None else WorkReport(epoch=0)
         return Commitment.of_claims(nonce, report, claims, digests).to_gather(), claims.tobytes(), digests.tobytes()
 

@@ -17,6 +17,7 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -213,6 +214,14 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
             yield self._averaged_tensors
         finally:
             self.lock_averaged_tensors.release()
+
+    def call_in_process(self, method: str, timeout_s: float, **kwargs):
+        """From the caller's process: run the coroutine method ``method`` of this class in the
+        averager process (it gets ``future`` and sets its result) and return that result, as
+        hivemind's own calls do. TimeoutError past ``timeout_s``."""
+        future = MPFuture()
+        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
+        return future.result(timeout=timeout_s)
 
     # -- helpers for average_with_group ----------------------------------------------------
     def locked_tensors(self):

@@ -28,7 +28,7 @@ class ButterflyRunner(AllReduceRunner):
     protocol needs bit-identical results); a failed reducer's share therefore falls back to our
     raw local part, or to zeros for a reducer *refused* for what it returned (a failed check of
     the received bytes, which every receiver of those bytes runs alike, so all of them hold the
-    same values). Reducers may head their replies with a preamble of their own and attach a
+    same values; ``zeroed`` names those parts, which dtrain's averager re-reduces afterwards). Reducers may head their replies with a preamble of their own and attach a
     note to each averaged part (:meth:`reply_preamble`, :meth:`reply_note`; read by
     :meth:`accept_reply_preamble`, :meth:`accept_reply_note`). Subclasses implement :meth:`new_reducer` and :meth:`serve_stream`, and may
     implement :meth:`check_averaged_part`, :meth:`inspect_part`, :meth:`messages_to_reducer`,
