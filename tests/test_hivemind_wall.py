@@ -278,7 +278,8 @@ class _RecordingP2P:
         self.names.append(handle_name)
 
 
-RPCS = ("rpc_aggregate_part", "rpc_download_state", "rpc_join_group")
+# hivemind's three, and dtrain's question between members after the butterfly (result_check.py)
+RPCS = ("rpc_aggregate_part", "rpc_ask_member", "rpc_download_state", "rpc_join_group")
 
 
 def _averager_classes():

@@ -175,9 +175,10 @@ def test_a_reducer_that_hides_a_change_in_the_null_space_is_refused_before_anyon
     share itself from the senders' committed bytes: all three hold the same bits, the honest
     average everywhere."""
     swarms, recs, applied, data = _round(nodes, 4, faults={3: fault}, compression=compression,
-                                         aggregation=aggregation)
+                                         aggregation=aggregation, part_size_bytes=1024)
     try:
         cheat = swarms[3].peer_id
+        assert any(p.reducer == cheat for p in recs[3].evidence.parts.values())  # it reduced a share
         for r in recs[:3]:
             assert r.outcome_of(cheat) == Outcome.FAIL and rc.REASON in r.result_of(cheat).reason
             assert all(p.outcome == Outcome.SUCCESS for p in r.peers if p.peer_id != cheat)

@@ -278,12 +278,10 @@ class CheckedRunner(ButterflyRunner):
         becomes zeros (what every receiver of the same bytes does, as for a reducer refused
         during the round), and it is recorded FAIL with ``reason``; it is left out of the evidence
         of applied parts (the result check's own evidence holds what failed)."""
-        container = self.tensor_part_container
         for g in [g for g, (p, _) in self.applied_accounts.items() if p == peer_index]:
             param_index, start, length = self.layout.parts[g]
             tensors[param_index].view(-1)[start:start + length].zero_()
-            container.failed_size += length
-            self.refused_size += length
+            self.count_zeroed(length)
             self.zeroed.add((peer_index, g - self.share_of(peer_index)[0]))
             del self.applied_accounts[g]
         self.unconfirmed_reducers[str(self.ordered_peer_ids[peer_index])] = f"reducer #{peer_index} {reason}"
@@ -329,8 +327,7 @@ class CheckedRunner(ButterflyRunner):
         tensors[param_index].view(-1)[start:start + length].copy_(values.reshape(-1))
         peer_index, _ = self._share_holder(part)
         self.zeroed.discard((peer_index, part - self.share_of(peer_index)[0]))
-        self.tensor_part_container.failed_size -= length
-        self.refused_size -= length
+        self.count_recovered(length)
         self.recovered_size += length
 
     def evidence(self) -> Optional[dict]:

@@ -158,6 +158,16 @@ class ButterflyRunner(AllReduceRunner):
         self.failed_reducers.setdefault(peer_id, reason)
 
     # -- facts -----------------------------------------------------------------------------
+    def count_zeroed(self, size: int) -> None:
+        """``size`` more values of the vector are zeros for a refused reducer (not averaged)."""
+        self.tensor_part_container.failed_size += size
+        self.refused_size += size
+
+    def count_recovered(self, size: int) -> None:
+        """``size`` values counted by :meth:`count_zeroed` were averaged after all."""
+        self.tensor_part_container.failed_size -= size
+        self.refused_size -= size
+
     @property
     def reducer(self):
         """This peer's reducer (what new_reducer built)."""
