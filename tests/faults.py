@@ -48,7 +48,7 @@ class FaultInjection:
     # null space, of this relative norm (another null-space construction than the reflection)
     nullspace_noise_results: float = 0.0
     # answer the members' result-check questions with false sketches (negated): "all" of them,
-    # or only the "first" part of each question (one reducer's part)
+    # or only the "first" part of each question that another reducer holds (one reducer's part)
     lie_in_result_check: str = ""
     # refuse every result-check question (an older release, or a peer that went away)
     silent_in_result_check: bool = False
@@ -130,7 +130,8 @@ class FaultyAverager(SwarmAverager):
         super().__init__(*args, **kwargs)
 
     def make_runner(self, *args, **kwargs):
-        return super().make_runner(*args, fault=self.fault, **kwargs)
+        self.runner = super().make_runner(*args, fault=self.fault, **kwargs)
+        return self.runner
 
     async def answer_member(self, group_id, payload, asker):
         if self.fault.silent_in_result_check:
@@ -139,8 +140,15 @@ class FaultyAverager(SwarmAverager):
         if answer is not None and self.fault.lie_in_result_check:
             import numpy as np
 
+            from dtrain.swarm.averaging import result_check
+
             sketches = np.frombuffer(answer, dtype="<f4").reshape(-1, 64).copy()
-            rows = slice(None) if self.fault.lie_in_result_check == "all" else slice(0, 1)
+            if self.fault.lie_in_result_check == "all":
+                rows = list(range(len(sketches)))
+            else:  # the first part asked of another reducer's share (a lie about our own result frames no one)
+                own = self.runner.own_share()
+                _, _, parts = result_check.decode_ask(payload, len(self._sent.sent.layout))
+                rows = [next(i for i, g in enumerate(parts) if g not in own)]
             sketches[rows] = -sketches[rows]
             answer = sketches.astype("<f4").tobytes()
         return answer

@@ -120,6 +120,21 @@ def install_state_server() -> None:
     hivemind_averager._background_thread_fetch_current_state = _serve_state_requests
 
 
+class _OneWriterAtATime:
+    """A multiprocessing Connection whose ``send`` holds a lock (the rest passes through)."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, obj) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
 @dataclass
 class Group:
     """A formed group as :meth:`AveragerProcess.average_with_group` sees it."""
@@ -152,6 +167,10 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
 
     def __init__(self, averaged_tensors, dht, *, matchmaking_key: bytes, start: bool = False, **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
+        # Callers in several threads write commands (a round from the training thread, a
+        # catch-up, the round audit's questions from the API's threads): one writer at a time,
+        # so that two large messages never interleave on the pipe.
+        self._outer_pipe = _OneWriterAtATime(self._outer_pipe)
         # Set before the background process forks, since Matchmaking is built there.
         self.schema_hash = matchmaking_key
         if start:
