@@ -202,8 +202,12 @@ class SwarmAverager(AveragerProcess):
         if served & set(parts):
             return None
         served.update(parts)
-        wires = await asyncio.get_event_loop().run_in_executor(None, lambda: [kept.sent.wire(g) for g in parts])
-        return result_check.encode_wires(wires)
+        return result_check.encode_wires(await self._kept_wires(kept, parts))
+
+    @staticmethod
+    async def _kept_wires(kept, parts: list[int]) -> list[bytes]:
+        """The wire bytes of our kept parts ``parts`` (serialised off the loop)."""
+        return await asyncio.get_event_loop().run_in_executor(None, lambda: [kept.sent.wire(g) for g in parts])
 
     async def _answer_caller(self, round_id: str, nonce: Optional[str], part: Optional[int], future) -> None:
         """For the caller's process (swarm.KeptContribution, through call_in_process): the
@@ -333,7 +337,7 @@ class SwarmAverager(AveragerProcess):
             if i == runner.my_sender_index:
                 if kept is None or kept.group_id != group.group_id:
                     return {}
-                return dict(zip(parts, await loop.run_in_executor(None, lambda: [kept.sent.wire(g) for g in parts])))
+                return dict(zip(parts, await self._kept_wires(kept, parts)))
             got: dict[int, bytes] = {}
             for at in range(0, len(parts), per_question):
                 chunk = parts[at:at + per_question]
@@ -386,7 +390,7 @@ class SwarmAverager(AveragerProcess):
                     continue
                 values = await loop.run_in_executor(None, combine, k, g, wires, weights, robust)
                 if values is not None:
-                    runner.write_recovered(g, tensors, values)
+                    runner.write_recovered(k, g, tensors, values)
                     recovered += 1
             logger.info("swarm: re-reduced %d of %d refused parts of reducer %s", recovered, len(parts),
                         runner.ordered_peer_ids[k])

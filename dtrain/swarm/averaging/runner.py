@@ -96,7 +96,6 @@ class CheckedRunner(ButterflyRunner):
         self.accused_reducers: dict[str, str] = {}
         # reducer peer id -> why the result check refused its parts (result_check.py)
         self.unconfirmed_reducers: dict[str, str] = {}
-        self._unconfirmed_indices: set[int] = set()
         self.recovered_size = 0  # values of refused shares re-reduced from the senders' bytes
         self.result_check = None  # what the result check saw (a result_check.ResultCheck)
         # (part index, compression) -> (averaged part, future of its serialised form)
@@ -268,10 +267,7 @@ class CheckedRunner(ButterflyRunner):
     def digests_of(self, part: int) -> tuple:
         """Each sender's committed digest of global part ``part`` (another reducer's), as forwarded."""
         peer_index, _ = self.applied_accounts[part]
-        digests = self.forwarded_digests.get(peer_index)
-        first, _ = self.share_of(peer_index)
-        return tuple(None if digests is None or i >= len(digests) or digests[i] is None else bytes(digests[i][part - first])
-                     for i in range(len(self.sender_peer_ids)))
+        return tuple(self.sender_proof(peer_index, i, part)[0] for i in range(len(self.sender_peer_ids)))
 
     def refuse_unconfirmed(self, peer_index: int, tensors, reason: str) -> None:
         """The result check refused a part of reducer ``peer_index``: every part of it we applied
@@ -285,7 +281,6 @@ class CheckedRunner(ButterflyRunner):
             self.zeroed.add((peer_index, g - self.share_of(peer_index)[0]))
             del self.applied_accounts[g]
         self.unconfirmed_reducers[str(self.ordered_peer_ids[peer_index])] = f"reducer #{peer_index} {reason}"
-        self._unconfirmed_indices.add(peer_index)
 
     # -- re-reducing a refused reducer's share (the averager's _re_reduce) -----------------------
     def refused_parts(self) -> dict[int, list[int]]:
@@ -298,14 +293,6 @@ class CheckedRunner(ButterflyRunner):
             if k != self._my_index:
                 out.setdefault(k, []).append(self.share_of(k)[0] + part_index)
         return out
-
-    def _share_holder(self, part: int) -> tuple[int, int]:
-        """(reducer peer index, first global part of its share) of global part ``part``."""
-        for k in range(len(self.ordered_peer_ids)):
-            first, end = self.share_of(k)
-            if first <= part < end:
-                return k, first
-        raise IndexError(f"part {part} is in no share")
 
     def sender_proof(self, reducer_index: int, sender_index: int, part: int):
         """``(digest, claim)`` sender ``sender_index`` committed for global part ``part`` of the
@@ -321,11 +308,11 @@ class CheckedRunner(ButterflyRunner):
             return None, None
         return bytes(digests[sender_index][part - first]), claims[sender_index][part - first]
 
-    def write_recovered(self, part: int, tensors, values: torch.Tensor) -> None:
-        """A refused share's part, re-reduced: it replaces the zeros (it is averaged after all)."""
+    def write_recovered(self, peer_index: int, part: int, tensors, values: torch.Tensor) -> None:
+        """Part ``part`` of refused reducer ``peer_index``'s share, re-reduced: it replaces the
+        zeros (it is averaged after all)."""
         param_index, start, length = self.layout.parts[part]
         tensors[param_index].view(-1)[start:start + length].copy_(values.reshape(-1))
-        peer_index, _ = self._share_holder(part)
         self.zeroed.discard((peer_index, part - self.share_of(peer_index)[0]))
         self.count_recovered(length)
         self.recovered_size += length
@@ -344,10 +331,8 @@ class CheckedRunner(ButterflyRunner):
             return None if d is None else bytes(d[offset])
 
         for g, (peer_index, coefficients) in self.applied_accounts.items():
-            first, _ = self.share_of(peer_index)
-            digests = self.forwarded_digests.get(peer_index)
             parts[g] = (str(self.ordered_peer_ids[peer_index]), tuple(float(c) for c in coefficients),
-                        tuple(digest_of(digests, i, g - first) for i in range(len(senders))))
+                        self.digests_of(g))
         me, mine = self._my_index, self._my_sender_index
         first, _ = self.share_of(me)
         own = [self.share_digests.get(i) for i in range(len(senders))]
