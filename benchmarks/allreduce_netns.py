@@ -309,14 +309,16 @@ def worker(args) -> int:
             if impl in ("dtrain", "dtrain-mean"):
                 prod = impl == "dtrain"
                 # what `dtrain mine` ships (AveragingConfig's defaults are the config schema's, as
-                # settings_from gives a neuron); the lab sets only its group, timeouts and part size
+                # settings_from gives a neuron); the lab sets only its group and timeouts (and the part
+                # size, when --part-size-bytes asks for another than the production rule's)
                 cfg = AveragingConfig().replace(
                     prefix=f"bench_{impl}_{args.peers}", min_group_size=args.peers, target_group_size=args.peers,
                     # request_timeout below min_matchmaking_time (or matchmaking can deadlock), and
                     # wide: a follower whose leader answers late drops out of a group it is counted in
                     min_matchmaking_time_s=args.matchmaking_s, request_timeout_s=args.matchmaking_s / 2,
                     matchmaking_timeout_s=120,
-                    allreduce_timeout_s=300, sender_timeout_s=args.sender_timeout, part_size_bytes=args.part_size_bytes,
+                    allreduce_timeout_s=300, sender_timeout_s=args.sender_timeout,
+                    part_size_bytes=args.part_size_bytes or None,
                     allow_state_sharing=False,
                 )
                 if not prod:  # the ablation: hivemind's weighted mean, no work commitments
@@ -494,8 +496,10 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
                 fh.close()
     size_bytes = int(size_mb * 2**20 / 4) * 4
     bound = 2.0 * size_bytes * (peers - 1) / peers / (rate_mbit * 1e6 / 8)
+    from dtrain.swarm.averaging.settings import part_size_for
+
     summary: dict = dict(peers=peers, size_mb=size_mb, rate_mbit=rate_mbit, bound_s=bound, rounds=rounds,
-                         warmup_rounds=warmup)
+                         warmup_rounds=warmup, dtrain_part_size_bytes=part_size_bytes or part_size_for(size_bytes))
     for impl in impls.split(","):
         summary[impl] = summarize_impl([row for res in results for row in res if row["impl"] == impl],
                                        rounds, size_mb, bound, exact_mean=impl != "dtrain",
@@ -607,7 +611,9 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="dtrain,dtrain-mean,hivemind",
                     help="dtrain: what `dtrain mine` ships (centered_clip, work commitments); dtrain-mean: the "
                          "ablation (weighted mean, no commitments); hivemind: stock DecentralizedAverager")
-    ap.add_argument("--part-size-bytes", type=int, default=2**17, help="dtrain part size (hivemind keeps its default)")
+    ap.add_argument("--part-size-bytes", type=int, default=0,
+                    help="dtrain part size; 0 (default): the production rule, settings.part_size_for (hivemind "
+                         "keeps its default)")
     ap.add_argument("--matchmaking-s", type=float, default=3.0)
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed rounds per implementation before the measured ones (first connections)")

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         ReducedPart, RoundEvidence, SentContribution, audit_nonce, audit_round, batch_problem, draw_seed,
     )
     from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol, wire_form
-    from dtrain.swarm.averaging.settings import AveragingConfig
+    from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
     from dtrain.swarm.codecs import make_compression
     from dtrain.training.trainer import summed_gradients
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     wire = AveragingConfig()
     compression = make_compression(wire.compression)
     mean = [g.detach().float().div(report.samples).cpu().clone() for g in trainer.gradients()]
-    layout = PartLayout.of(mean, compression, wire.part_size_bytes)
+    layout = PartLayout.of(mean, compression, part_size_for(sum(4 * t.numel() for t in mean)))
     sent = SentContribution(mean, layout, compression, round_id="bench")
     evidence = RoundEvidence(senders=["miner"], layout=layout, compression=compression,
                              parts={g: ReducedPart("reducer", (1.0,), (None,)) for g in range(len(layout))})

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dtrain.config import AllReduceConfig  # noqa: E402
+from dtrain.swarm.averaging.settings import part_size_for  # noqa: E402  (loads no hivemind)
 from dtrain.swarm.codecs import BLOCK  # noqa: E402
 from dtrain.training.models import GPT2_VOCAB_SIZE, PRESETS  # noqa: E402
 from dtrain.training.work import WORK_SKETCH_K  # noqa: E402
@@ -32,9 +33,6 @@ DEFAULT_H = AllReduceConfig().diloco_inner_steps
 # Wire bytes per value: fp32 4; dtrain's blockwise 8-bit 1, plus one float32 scale per BLOCK
 # values (dtrain/swarm/codecs.py, BlockwiseAbsmax8Bit: 0.266 of fp32).
 WIRE_BYTES = {"fp32": 4.0, "8-bit": 1.0 + 4 / BLOCK}
-# AveragingConfig.part_size_bytes, wire bytes per part (not imported: dtrain.swarm.averaging loads hivemind;
-# tests/test_swarm_settings.py checks the two agree)
-PART_SIZE_BYTES = 2**17
 CLAIM_BYTES = WORK_SKETCH_K * 4  # a work commitment's claim per part: WORK_SKETCH_K float32 values
 NODE_BYTES = 32 + WORK_SKETCH_K * 8  # a claims tree node: its hash and its sum (float64)
 # Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
@@ -76,7 +74,7 @@ def commitment_bytes(params: int, wire: str, n: int = GROUP) -> float:
     """Bytes of work commitments a peer sends in a round: its claims, each to the reducer of
     its part, the tree nodes that prove each reducer's share (at most two per tree level),
     and its claims tree's root in the gather (docs/protocol.md, "The claims tree")."""
-    parts = math.ceil(params * WIRE_BYTES[wire] / PART_SIZE_BYTES)
+    parts = math.ceil(params * WIRE_BYTES[wire] / part_size_for(4 * params))
     levels = max(1, math.ceil(math.log2(parts)))
     return parts * CLAIM_BYTES + (n - 1) * 2 * levels * NODE_BYTES + NODE_BYTES
 

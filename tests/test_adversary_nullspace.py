@@ -16,7 +16,7 @@ import torch
 
 from dtrain.neurons.adversary import NULLSPACE_SCALE, _nullspace_reduce, nullspace_altered, nullspace_reduced
 from dtrain.swarm.averaging.contribution import PartLayout, compute_claims
-from dtrain.swarm.averaging.settings import AveragingConfig
+from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
 from dtrain.swarm.codecs import make_compression
 from dtrain.training.fingerprint import DEFAULT_K, project_out_sketch, range_sketch, sketch_buckets
 from dtrain.training.work import work_nonce
@@ -108,10 +108,11 @@ def test_nullspace_sender_keeps_every_public_part_sketch_and_sabotages():
 
 
 def test_nullspace_sender_under_the_swarm_default_wire_settings():
-    # the layout a miner's swarm uses by default (8-bit parts of 128 KiB): parts of ~110k values
+    # the layout a miner's swarm uses by default for this vector (8-bit parts of 128 KiB): parts
+    # of ~110k values
     settings = AveragingConfig()
     honest = [_randn(250_000, seed=20, dtype=torch.float32)]
-    layout = PartLayout.of(honest, make_compression(settings.compression), settings.part_size_bytes)
+    layout = PartLayout.of(honest, make_compression(settings.compression), part_size_for(4 * 250_000))
     assert len(layout) > 1
     altered = nullspace_altered(honest, layout, NONCE)
     for param_index, start, length in layout.parts:

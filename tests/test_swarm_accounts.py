@@ -164,6 +164,23 @@ def test_centered_clip_radius_and_down_weighting():
     assert "down-weighted our part" in own_part_problem(result, Account(shrunk, tau), weights, robust=True, me=0,
                                                         my_part=parts[0], rtol=1e-4)
     assert own_part_problem(result, Account(c, tau), weights, robust=True, me=0, my_part=parts[0], rtol=1e-4) == ""
+    # our part, given lazily, is read only when our coefficient is below our fair share
+    reads = []
+
+    def ours():
+        reads.append(1)
+        return parts[0]
+
+    assert "down-weighted our part" in own_part_problem(result, Account(shrunk, tau), weights, robust=True, me=0,
+                                                        my_part=ours, rtol=1e-4)
+    assert len(reads) == 1
+    fair = weights[0] / sum(weights)
+    generous = c.copy()
+    generous[0] = fair
+    generous[1:] *= (1 - fair) / generous[1:].sum()
+    assert own_part_problem(result, Account(generous, tau), weights, robust=True, me=0, my_part=ours,
+                            rtol=1e-4) == ""
+    assert len(reads) == 1
 
 
 @pytest.mark.parametrize("senders", [3, 4, 5, 8])

@@ -11,6 +11,7 @@ import torch
 
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm, Interrupted
 from dtrain.swarm.loopback import local_nodes, run_concurrently
+from dtrain.swarm.codecs import make_compression
 from dtrain.swarm.records import Outcome, read_records
 from tests.faults import FaultInjection
 from tests.faults import swarm as make_swarm
@@ -219,6 +220,25 @@ def test_local_nonfinite_is_refused_before_sending(nodes):
     try:
         with pytest.raises(ValueError, match="non-finite"):
             swarm.run_round([torch.tensor([float("nan")] * 10)], weight=1, cap=1)
+    finally:
+        swarm.shutdown()
+
+
+def test_the_swarm_sets_the_part_size_of_its_vector(nodes):
+    from dtrain.swarm.averaging.settings import part_size_for
+
+    # 8 MiB of float32 in two tensors: 256 KiB parts (32 of them), whatever the templates' dtype
+    templates = [torch.zeros(2**20, dtype=torch.float16), torch.zeros(2**20)]
+    swarm = GradientSwarm(nodes[0].dht, templates, "model-a", _cfg(2).replace(part_size_bytes=None))
+    try:
+        assert swarm.config.part_size_bytes == part_size_for(2**23) == 2**18
+        assert len(swarm._part_layout(make_compression("none"))) == 32
+    finally:
+        swarm.shutdown()
+    # an explicit part size is kept
+    swarm = GradientSwarm(nodes[0].dht, templates, "model-a", _cfg(2))
+    try:
+        assert swarm.config.part_size_bytes == _cfg(2).part_size_bytes
     finally:
         swarm.shutdown()
 

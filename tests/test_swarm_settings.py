@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +11,6 @@ from dtrain.swarm.averaging import AveragingConfig, settings_from
 from dtrain.swarm.averaging.settings import sender_timeout_for
 from dtrain.swarm.deadlines import matchmaking_timeout_s
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_library_defaults_are_what_a_default_neuron_runs():
@@ -83,12 +80,22 @@ def test_settings_are_frozen_and_replace_copies():
     assert (e.prefix, e.aggregation, d.prefix) == ("x", "mean", AveragingConfig().prefix)
 
 
-def test_the_link_table_uses_the_default_part_size():
-    # scripts/gen_link_table.py keeps its own copy (importing the swarm would load hivemind)
-    spec = importlib.util.spec_from_file_location("gen_link_table", REPO / "scripts" / "gen_link_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.PART_SIZE_BYTES == AveragingConfig().part_size_bytes
+def test_the_part_size_grows_with_the_vector():
+    from dtrain.swarm.averaging.settings import MAX_PART_BYTES, MIN_PART_BYTES, part_size_for
+
+    # a power of two within the bounds, never shrinking as the vector grows
+    sizes = [1, 4096, 2**20, 3 * 2**20, 2**23, 2**23 + 4, 2**24 - 4, 2**24, 10**9, 4 * 124_439_808]
+    got = [part_size_for(b) for b in sizes]
+    assert all(MIN_PART_BYTES <= p <= MAX_PART_BYTES and p & (p - 1) == 0 for p in got)
+    assert got == sorted(got)
+    # hivemind's 512 KiB from 16 MiB up (every GPT-2 preset)
+    assert (part_size_for(2**24), part_size_for(10**9), part_size_for(2**24 - 4)) == (2**19, 2**19, 2**18)
+    # below that, a full group of the schema's default size still gives every reducer a part
+    for b in (2**22, 2**23, 2**24 - 4, 12 * 2**20):
+        assert b // part_size_for(b) >= AllReduceConfig().target_group_size
+    assert part_size_for(2**20) == MIN_PART_BYTES
+    # unset in the settings: the swarm that knows its vector sets it (test_swarm_averaging.py)
+    assert AveragingConfig().part_size_bytes is None
 
 
 def test_derived_timeouts_follow_the_settings_they_derive_from():

@@ -44,7 +44,9 @@ _LEAF, _NODE, _PART = b"dtrain-claim", b"dtrain-node", b"dtrain-part"
 
 def part_digest(wire: bytes) -> bytes:
     """The digest of a part's wire bytes (``Tensor.buffer``, after the wire codec)."""
-    return hashlib.sha256(_PART + bytes(wire)).digest()
+    h = hashlib.sha256(_PART)
+    h.update(wire)  # no concatenated copy of the part
+    return h.digest()
 
 
 class ClaimsProofError(ValueError):

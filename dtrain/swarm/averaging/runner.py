@@ -229,7 +229,7 @@ class CheckedRunner(ButterflyRunner):
         me = self._my_sender_index
         if me is not None and str(self.ordered_peer_ids[peer_index]) not in self.accused_reducers:
             mine = own_part_problem(part, account, weights, robust=robust, me=me,
-                                    my_part=self.as_received(self.sent_part(peer_index, part_index)),
+                                    my_part=lambda: self.as_received(self.sent_part(peer_index, part_index)),
                                     rtol=self.account_rtol)
             if mine:
                 self.accused_reducers[str(self.ordered_peer_ids[peer_index])] = f"reducer #{peer_index} {mine}"

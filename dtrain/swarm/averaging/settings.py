@@ -37,6 +37,25 @@ def sender_timeout_for(allreduce_timeout_s: float) -> float:
 
 _SCHEMA = AllReduceConfig()
 
+# Wire bytes per part: hivemind's 512 KiB for every vector of 16 MiB or more (every GPT-2
+# preset), less for smaller ones, never under 128 KiB. Per part the butterfly pays a fixed
+# price (protobuf framing, asyncio hand-offs, a thread hop to decode, the checks' set-up): at
+# 128 KiB that was a third of the production averager's CPU per byte (docs/swarm.md, "CPU per
+# byte"). Below 16 MiB the part shrinks so that a full group of the schema's default size (32)
+# still gives every reducer a part. The rule reads only the vector's size, which every peer
+# of a run shares (the model is swarm-wide), so every peer splits the vector alike: a peer
+# whose parts differed would have its claims refused by every reducer.
+MIN_PART_BYTES = 2**17
+MAX_PART_BYTES = 2**19
+
+
+def part_size_for(vector_bytes: int) -> int:
+    """The part size (wire bytes) of a swarm averaging ``vector_bytes`` of float32 values: the
+    largest power of two at most vector_bytes / 32, within [MIN_PART_BYTES, MAX_PART_BYTES]."""
+    share = max(1, int(vector_bytes) // _SCHEMA.target_group_size)
+    return max(MIN_PART_BYTES, min(MAX_PART_BYTES, 1 << (share.bit_length() - 1)))
+
+
 # Marks a setting derived from the others when the config is built (so that a config with a
 # shorter all-reduce timeout also gets a shorter sender timeout, not the schema's).
 DERIVED = -1.0
@@ -58,7 +77,8 @@ class AveragingConfig:
     # give up looking for a group after this long; DERIVED: matchmaking attempts x matchmaking time
     matchmaking_timeout_s: float = DERIVED
     compression: str = _SCHEMA.compression  # none | fp16 | 8bit (+ experiments: 8bit-uniform, 8bit-quantile)
-    part_size_bytes: int = 2**17  # 128 KiB: finer pipelining than hivemind's 512 KiB; measured faster in netns
+    # None: part_size_for(the averaged vector's bytes), set by the swarm that averages it
+    part_size_bytes: Optional[int] = None
     bandwidth: Optional[float] = None  # MB/s hint for load balancing; None = "same as others"
     client_mode: Optional[bool] = None  # None: follow the DHT
     allow_state_sharing: bool = True

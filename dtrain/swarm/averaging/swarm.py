@@ -20,7 +20,7 @@ import dtrain.swarm.hivemind_internals  # noqa: F401  (first: hivemind's shims, 
 from dtrain.swarm.averaging.assembly import expect_list
 from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS, MAX_REFUSED_NAMED, make_gather, schema_hash
 from dtrain.swarm.averaging.reducer import part_check
-from dtrain.swarm.averaging.settings import AveragingConfig
+from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
 from dtrain.swarm.codecs import make_compression
 from dtrain.swarm.records import Outcome, PeerResult, RoundLog, RoundRecord
 
@@ -132,7 +132,10 @@ class GradientSwarm:
         mode: str = "gradient",
     ):
         self.dht = dht
-        self.config = config or AveragingConfig()
+        config = config or AveragingConfig()
+        if config.part_size_bytes is None:
+            config = config.replace(part_size_bytes=part_size_for(sum(4 * t.numel() for t in templates)))
+        self.config = config
         self.fingerprint = str(fingerprint)
         self.mode = mode
         self._buffers = [torch.zeros_like(t, device="cpu").float() for t in templates]
