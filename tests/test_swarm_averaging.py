@@ -110,17 +110,21 @@ def test_weighted_mean_with_cap_and_zero_weight_validator(nodes):
     assert recs[0].total_weight == 8.0
 
 
-@pytest.mark.parametrize("mismatch", ["fingerprint", "shape"])
+@pytest.mark.parametrize("mismatch", ["fingerprint", "shape", "part size"])
 def test_wrong_model_is_refused(nodes, mismatch):
     data = [[torch.full((1500,), 1.0)], [torch.full((1500,), 3.0)], [torch.full((1500,), 50.0)]]
     fps = ["model-a", "model-a", "model-a"]
     if mismatch == "fingerprint":
         fps[2] = "model-b"
-    else:
+    elif mismatch == "shape":
         data[2] = [torch.full((1600,), 50.0)]
     before = [_flat(d).clone() for d in data]
     cfg = _cfg(3)
-    swarms = _swarms(nodes, data, cfg, fingerprints=fps)
+    swarms = _swarms(nodes, data[:2], cfg, fingerprints=fps)
+    # a peer that splits the vector otherwise (another release's part size) could not prove
+    # its claims to anyone: it is another schema, refused before the round like a wrong model
+    odd = cfg.replace(part_size_bytes=2 * cfg.part_size_bytes) if mismatch == "part size" else cfg
+    swarms.append(make_swarm(nodes[2].dht, data[2], fps[2], odd))
     try:
         recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=1, cap=1) for i in range(3)])
     finally:

@@ -47,7 +47,7 @@ def test_a_peer_of_another_model_or_schema_is_aux_and_wrong_model():
     assert p.senders == [0, 5]
     report = gr.round_report(p, round_id="r")
     assert [x["outcome"] for x in report["peers"]] == ["SUCCESS"] + ["WRONG_MODEL"] * 4 + ["SUCCESS"]
-    assert report["peers"][1]["reason"] == "model fingerprint or tensor schema differs"
+    assert report["peers"][1]["reason"] == "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
 
 
 def test_an_unknown_mode_is_an_error_only_for_a_compatible_peer():
@@ -236,7 +236,7 @@ def test_round_report_outcomes_reasons_and_figures():
     got = [(x["outcome"], x["reason"]) for x in rep["peers"]]
     assert got == [
         ("SUCCESS", ""),
-        ("WRONG_MODEL", "model fingerprint or tensor schema differs"),
+        ("WRONG_MODEL", "model fingerprint or tensor schema (shapes, dtypes, part size) differs"),
         ("FAIL", "out-of-scale contribution (norm 50)"),
         ("FAIL", "no work commitment"),
         ("FAIL", "sent a part that contradicts its commitment"),

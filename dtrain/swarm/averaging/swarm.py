@@ -139,7 +139,7 @@ class GradientSwarm:
         self.fingerprint = str(fingerprint)
         self.mode = mode
         self._buffers = [torch.zeros_like(t, device="cpu").float() for t in templates]
-        self._schema = schema_hash(self._buffers)
+        self._schema = schema_hash(self._buffers, self.config.part_size_bytes)
         self._log = RoundLog(self.config.log_path) if self.config.log_path else None
         # Only the last round is kept in memory (a neuron runs for weeks); the round log on
         # disk (config.log_path) keeps them all.
