@@ -47,7 +47,8 @@ from dtrain.training.work import WORK_SKETCH_K
 
 AUDIT_NONCE_PREFIX = "dtrain/audit/v1:"
 # The most parts an audit answer may carry: 8 MiB of float32 sketches (an answer must fit the
-# API client's 16 MiB JSON limit in base64), 4 TiB of float32 contribution at 128 KiB parts.
+# API client's 16 MiB JSON limit in base64): 4 GiB of float32 contribution at 128 KiB parts,
+# 16 GiB at the 512 KiB parts of every GPT-2 preset (gpt2-1b is 4.1 GB: 7,760 parts).
 MAX_AUDIT_PARTS = 32768
 
 
