@@ -42,7 +42,7 @@ def _check(part, coefficients, parts, weights, *, robust=False, tau=0.0, rtol=1e
                               robust=robust, param_index=PARAM, start=START, nonce=NONCE, rtol=rtol)
     if problem or me is None:
         return problem
-    return own_part_problem(part, account, weights, robust=robust, me=me, my_part=parts[me], rtol=rtol)
+    return own_part_problem(part, account, weights, robust=robust, me=me, my_part=lambda: parts[me], rtol=rtol)
 
 
 def _senders(n=4, m=3000, seed=0, spread=0.5):
@@ -162,8 +162,9 @@ def test_centered_clip_radius_and_down_weighting():
     shrunk[0] *= 0.1
     shrunk /= shrunk.sum()
     assert "down-weighted our part" in own_part_problem(result, Account(shrunk, tau), weights, robust=True, me=0,
-                                                        my_part=parts[0], rtol=1e-4)
-    assert own_part_problem(result, Account(c, tau), weights, robust=True, me=0, my_part=parts[0], rtol=1e-4) == ""
+                                                        my_part=lambda: parts[0], rtol=1e-4)
+    assert own_part_problem(result, Account(c, tau), weights, robust=True, me=0, my_part=lambda: parts[0],
+                            rtol=1e-4) == ""
     # our part, given lazily, is read only when our coefficient is below our fair share
     reads = []
 
@@ -212,7 +213,7 @@ def test_honest_centered_clip_passes_the_rule_checks_even_with_heavy_outliers(se
                 assert problem == "", (name, weights, problem)
                 for me in range(senders):
                     problem = own_part_problem(result, Account(c, tau), weights, robust=True, me=me,
-                                               my_part=parts[me], rtol=1e-4)
+                                               my_part=lambda: parts[me], rtol=1e-4)
                     assert problem == "", (name, weights, me, problem)
 
 

@@ -267,10 +267,10 @@ def test_gather_and_schema():
     assert g["v"] == gr.GATHER_VERSION and g["w"] == 2.0 and g["agg"] == "centered_clip" and g["req"] is True
     assert g["expect"] == ["b", "a"] and "commit" not in g
     assert "expect" not in gather()
-    a = gr.schema_hash([torch.zeros(3, 4), torch.zeros(5)])
-    assert a == gr.schema_hash([torch.ones(3, 4), torch.ones(5)])  # shapes, not values
-    assert a != gr.schema_hash([torch.zeros(4, 3), torch.zeros(5)])
-    assert a != gr.schema_hash([torch.zeros(3, 4, dtype=torch.float64), torch.zeros(5)])
+    a = gr.schema_hash([torch.zeros(3, 4), torch.zeros(5)], 2**17)
+    assert a == gr.schema_hash([torch.ones(3, 4), torch.ones(5)], 2**17)  # shapes, not values
+    assert a != gr.schema_hash([torch.zeros(4, 3), torch.zeros(5)], 2**17)
+    assert a != gr.schema_hash([torch.zeros(3, 4, dtype=torch.float64), torch.zeros(5)], 2**17)
 
 
 def test_a_member_that_never_started_the_round_is_told_from_one_that_failed_it():

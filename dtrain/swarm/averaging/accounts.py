@@ -122,7 +122,7 @@ def account_problem(part: torch.Tensor, account: Account, claims: Sequence[Optio
 
 
 def own_part_problem(part: torch.Tensor, account: Account, weights: Sequence[float], *, robust: bool, me: int,
-                     my_part: "Optional[torch.Tensor] | Callable[[], Optional[torch.Tensor]]", rtol: float) -> str:
+                     my_part: Callable[[], Optional[torch.Tensor]], rtol: float) -> str:
     """"" unless the account leaves out or down-weights *our* part, which only we can tell.
 
     A reply for part p comes only after the reducer took our part p, so a sender with weight
@@ -130,8 +130,8 @@ def own_part_problem(part: torch.Tensor, account: Account, weights: Sequence[flo
     ``w_me / sum(w) x min(1, tau / |x_me - r|)`` (the normaliser is at most ``sum(w)``). Only the
     sender itself can run this check, so a failure is recorded (the reducer FAIL in our record)
     but the part is still applied: refusing it would leave us with other values than every
-    other receiver, the validators included. ``my_part`` is our part as the reducer decoded it,
-    or a function that returns it: it is read only when our coefficient is below our fair share
+    other receiver, the validators included. ``my_part`` returns our part as the reducer decoded
+    it (None: unknown); it is called only when our coefficient is below our fair share
     ``w_me / sum(w)``, the one case where the bound can exceed the coefficient.
     """
     c, tau = account.coefficients, account.tau
@@ -146,9 +146,8 @@ def own_part_problem(part: torch.Tensor, account: Account, weights: Sequence[flo
         fair = weights[me] / sum(weights)
         if c[me] >= fair * (1 - RULE_RTOL):
             return ""  # at least our fair share: no clip radius can ask for more (a pass less per part)
-        if callable(my_part):  # given lazily: a lossy codec's round trip is only paid here
-            my_part = my_part()
-        least = fair * min(1.0, tau / max(_my_distance(part, my_part, rtol), 1e-30))
+        # our part only now: with a lossy codec it costs a round trip
+        least = fair * min(1.0, tau / max(_my_distance(part, my_part(), rtol), 1e-30))
         if c[me] < least * (1 - RULE_RTOL):
             return f"down-weighted our part ({c[me]:.3g}, the rule gives at least {least:.3g})"
     return ""

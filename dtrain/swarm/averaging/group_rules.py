@@ -44,15 +44,14 @@ NODE, CLIENT, AUX = "node", "client", "aux"
 PRIVATE_KEY = "private"
 
 
-def schema_hash(tensors: Sequence[Any], part_size_bytes: Optional[int] = None) -> str:
+def schema_hash(tensors: Sequence[Any], part_size_bytes: int) -> str:
     """Shapes and dtypes of the averaged tensors, in order (not values), and the part size they
     are split by: peers that split alike, and only they, can check each other's claims, so a
     peer with other parts (another release's rule) is another schema, not a cheat."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-    if part_size_bytes is not None:
-        h.update(f"parts:{int(part_size_bytes)};".encode())
+    h.update(f"parts:{int(part_size_bytes)};".encode())
     return h.hexdigest()[:32]
 
 
@@ -399,7 +398,8 @@ def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), c
     for i, peer in enumerate(plan.peer_ids):
         reason = ""
         if not plan.compatible[i]:
-            outcome, reason = Outcome.WRONG_MODEL, "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
+            outcome = Outcome.WRONG_MODEL
+            reason = "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
         elif i in plan.out_of_scale:
             outcome, reason = Outcome.FAIL, f"out-of-scale contribution (norm {plan.norms[i]:.3g})"
         elif i in plan.unbound:
