@@ -470,7 +470,11 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
                 try:
                     return _read_line(procs[i], prefix, limit_s)
                 except TimeoutError as exc:
-                    raise TimeoutError(f"worker {i}: {exc}; its log ends:\n{_tail(logs.name, i)}") from None
+                    # Every worker's state: a round needs all of them, so the one that stalls is
+                    # often waiting for another that died or never joined.
+                    others = "".join(f"\n--- worker {j} (rc={p.poll()}), its log ends:\n{_tail(logs.name, j, 15)}"
+                                     for j, p in enumerate(procs) if j != i)
+                    raise TimeoutError(f"worker {i}: {exc}; its log ends:\n{_tail(logs.name, i)}{others}") from None
 
             procs.append(start(0, None))
             boot = read(0, "MADDR ", 60)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -43,6 +45,11 @@ def _round_with_a_victim(nodes, prefix: str, numel: int):
 
         def kill_when_running():
             victim.wait_for_line("RUNNING", timeout_s=60)
+            # The victim's RUNNING comes as soon as hivemind assembled its group, and a leader
+            # sends its BEGINs after that. Killed then (its p2pd dies with it), the followers
+            # never learn of the group: a crash before the round, not in it. Kill once both
+            # survivors are in the round, while the victim's delayed parts are still going out.
+            _until(lambda: all(s.stage == "RUNNING_ALLREDUCE" for s in swarms), timeout_s=30)
             victim.kill()
 
         try:
@@ -57,6 +64,15 @@ def _round_with_a_victim(nodes, prefix: str, numel: int):
         victim.kill()
     assert victim.proc.returncode is not None
     return victim_id, records, data
+
+
+def _until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _survivors_did_not_average_together(records, survivor_ids) -> str:
