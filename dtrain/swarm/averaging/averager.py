@@ -230,13 +230,20 @@ class SwarmAverager(AveragerProcess):
     async def _sent_sketches(self, kept, seed: bytes):
         """The sketches [num_parts, k] of what we sent under ``seed``'s nonce, computed once per
         seed (every honest member asks with the same one); None past MAX_SEEDS_PER_ROUND."""
+        future = self._start_sent_sketches(kept, seed)
+        return None if future is None else await asyncio.shield(future)
+
+    @staticmethod
+    def _start_sent_sketches(kept, seed: bytes):
+        """Start (once per seed) sketching what we sent under ``seed``'s nonce; the future, or
+        None past MAX_SEEDS_PER_ROUND."""
         future = kept.by_seed.get(seed)
         if future is None:
             if len(kept.by_seed) >= result_check.MAX_SEEDS_PER_ROUND:
                 return None
             future = kept.by_seed[seed] = asyncio.get_event_loop().run_in_executor(
                 None, kept.sent.sketches, result_check.result_nonce(seed))
-        return await asyncio.shield(future)
+        return future
 
     async def _check_results(self, group: Group, runner: CheckedRunner, tensors) -> None:
         """Check every part another reducer returned and we applied under the round's result
@@ -255,6 +262,14 @@ class SwarmAverager(AveragerProcess):
         seed = await loop.run_in_executor(None, result_check.result_seed, group.group_id,
                                           [(g, piece(g)) for g in held])
         nonce = result_check.result_nonce(seed)
+        # Every honest member holds the same results, so our seed is the one the others will
+        # ask us with: sketch what we sent now instead of when the first question arrives, and
+        # our own results while our questions are out. Both were sequential steps of every
+        # member's check, and the slowest member's check is the round's.
+        kept = self._sent if self._sent is not None and self._sent.group_id == group.group_id else None
+        if kept is not None:
+            self._start_sent_sketches(kept, seed)
+        ours = loop.run_in_executor(None, _sketch_parts, tensors, layout, sorted(applied), nonce)
         wanted: dict[int, list[int]] = {}  # sender index -> the parts it has a coefficient in
         for g, (_, coefficients) in sorted(applied.items()):
             for i, c in enumerate(coefficients):
@@ -266,8 +281,7 @@ class SwarmAverager(AveragerProcess):
         async def answers_of(i: int):
             parts = wanted[i]
             if i == runner.my_sender_index:
-                kept = self._sent
-                sketches = await self._sent_sketches(kept, seed) if kept and kept.group_id == group.group_id else None
+                sketches = None if kept is None else await self._sent_sketches(kept, seed)
                 return None if sketches is None else {g: sketches[g] for g in parts}
             got: dict[int, object] = {}
             for at in range(0, len(parts), result_check.MAX_ASK_PARTS):
@@ -280,7 +294,7 @@ class SwarmAverager(AveragerProcess):
             return got
 
         answered = dict(zip(wanted, await asyncio.gather(*(answers_of(i) for i in wanted))))
-        got = await loop.run_in_executor(None, _sketch_parts, tensors, layout, sorted(applied), nonce)
+        got = await ours
         norms = {g: {i: runner.claimed_norm(g, i) for i, c in enumerate(applied[g][1]) if c > 0} for g in applied}
         failing, set_aside = result_check.judge(got, {g: c for g, (_, c) in applied.items()},
                                                 {g: p for g, (p, _) in applied.items()}, answered, norms,
