@@ -47,6 +47,8 @@ import threading
 import time
 
 SUBNET = "10.213.{}.{}"  # private, only inside our namespaces
+# A worker's matchmaking gives up after this long (per attempt of a round).
+WORKER_MATCHMAKING_TIMEOUT_S = 120
 
 
 def have_netns() -> bool:
@@ -316,7 +318,7 @@ def worker(args) -> int:
                     # request_timeout below min_matchmaking_time (or matchmaking can deadlock), and
                     # wide: a follower whose leader answers late drops out of a group it is counted in
                     min_matchmaking_time_s=args.matchmaking_s, request_timeout_s=args.matchmaking_s / 2,
-                    matchmaking_timeout_s=120,
+                    matchmaking_timeout_s=WORKER_MATCHMAKING_TIMEOUT_S,
                     allreduce_timeout_s=300, sender_timeout_s=args.sender_timeout,
                     part_size_bytes=args.part_size_bytes or None,
                     allow_state_sharing=False,
@@ -444,9 +446,16 @@ def _tail(log_dir: str, i: int, lines: int = 40) -> str:
 
 
 def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: str, part_size_bytes: int,
-              matchmaking_s: float = 3.0, timeout_s: float = 400, peer_rates_mbit: dict | None = None,
+              matchmaking_s: float = 3.0, timeout_s: float | None = None, peer_rates_mbit: dict | None = None,
               sender_timeout_s: float = 60.0, raw: list | None = None, warmup: int = 0) -> dict:
-    """Run one lab; ``raw`` (if given) receives every worker's per-round rows."""
+    """Run one lab; ``raw`` (if given) receives every worker's per-round rows. ``timeout_s``: how
+    long to wait for a worker's results (None: enough for every round to take three times its
+    bound, plus one lost matchmaking per implementation; a baseline that loses a round must
+    not end the run without the figures of the others)."""
+    if timeout_s is None:
+        bound_s = 2.0 * size_mb * 2**20 * (peers - 1) / peers / (rate_mbit * 1e6 / 8)
+        timeout_s = sum((rounds + warmup) * (3 * bound_s + 30) + WORKER_MATCHMAKING_TIMEOUT_S
+                        for _ in impls.split(","))
     procs: list[subprocess.Popen] = []
     # Each worker logs (hivemind's warnings included) to its own file; a worker that does not
     # finish is reported with the tail of its log, so a failure names its cause.
