@@ -37,10 +37,10 @@ CLAIM_BYTES = WORK_SKETCH_K * 4  # a work commitment's claim per part: WORK_SKET
 NODE_BYTES = 32 + WORK_SKETCH_K * 8  # a claims tree node: its hash and its sum (float64)
 # Bound ÷ measured of the butterfly as `dtrain mine` ships it (CenteredClip, work
 # commitments, the result check, the production part size): benchmarks/allreduce_netns.py's
-# link-bound setting, 8 peers on 25 Mbit, "dtrain", the median of four runs (docs/swarm.md,
+# link-bound setting, 8 peers on 25 Mbit, "dtrain", the median of three runs (docs/swarm.md,
 # "Measured"). The other setting, 4 peers on 100 Mbit, measures the CPU of four peers
-# sharing a 2-core VM (0.62 there), not what a link allows one peer per machine.
-MEASURED_EFFICIENCY = 0.72
+# sharing a 2-core VM (0.66 there), not what a link allows one peer per machine.
+MEASURED_EFFICIENCY = 0.74
 
 
 def gpt2_params(n_layer: int, n_embd: int, n_positions: int, vocab: int = VOCAB) -> int:
