@@ -63,10 +63,11 @@ class NetnsLab:
     """Namespaces ``<tag>p<i>`` bridged through ``<tag>br``; every link rate-limited with tbf."""
 
     def __init__(self, peers: int, rate_mbit: float, tag: str | None = None, subnet_id: int | None = None,
-                 peer_rates_mbit: dict[int, float] | None = None):
+                 peer_rates_mbit: dict[int, float] | None = None, tcp_cc: str | None = None):
         self.n = peers
         self.rate_mbit = rate_mbit
         self.peer_rates_mbit = dict(peer_rates_mbit or {})  # per-peer override (a throttled straggler)
+        self.tcp_cc = tcp_cc  # the peers' TCP congestion control; None: what a new namespace inherits
         self.tag = tag or f"dt{os.getpid() % 100000}"
         self.subnet_id = subnet_id if subnet_id is not None else (os.getpid() % 200) + 20
         self.bridge_ns = f"{self.tag}br"
@@ -115,9 +116,15 @@ class NetnsLab:
             _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", inner)
             _run("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
+            if self.tcp_cc:
+                _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.tcp_cc}")
             rate = self.peer_rates_mbit.get(i, self.rate_mbit)
             self._tbf(ns, inner, rate)  # upload
             self._tbf(b, outer, rate)  # download
+
+    def congestion_control(self) -> str:
+        """The TCP congestion control the peers' sockets use (their namespace's default)."""
+        return _run("ip", "netns", "exec", self.peer_ns[0], "sysctl", "-n", "net.ipv4.tcp_congestion_control").stdout.strip()
 
     def popen(self, i: int, argv: list[str], stderr=None) -> subprocess.Popen:
         """Start ``argv`` in peer ``i``'s namespace; ``stderr`` is a file to log to (default: ours)."""
@@ -447,7 +454,8 @@ def _tail(log_dir: str, i: int, lines: int = 40) -> str:
 
 def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: str, part_size_bytes: int,
               matchmaking_s: float = 3.0, timeout_s: float | None = None, peer_rates_mbit: dict | None = None,
-              sender_timeout_s: float = 60.0, raw: list | None = None, warmup: int = 0) -> dict:
+              sender_timeout_s: float = 60.0, raw: list | None = None, warmup: int = 0,
+              tcp_cc: str | None = None) -> dict:
     """Run one lab; ``raw`` (if given) receives every worker's per-round rows. ``timeout_s``: how
     long to wait for a worker's results (None: enough for every round to take three times its
     bound, plus one lost matchmaking per implementation; a baseline that loses a round must
@@ -461,7 +469,8 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
     # finish is reported with the tail of its log, so a failure names its cause.
     logs = tempfile.TemporaryDirectory(prefix="dtrain-netns-logs-")
     log_files: list = []
-    with logs, NetnsLab(peers, rate_mbit, peer_rates_mbit=peer_rates_mbit) as lab:
+    with logs, NetnsLab(peers, rate_mbit, peer_rates_mbit=peer_rates_mbit, tcp_cc=tcp_cc) as lab:
+        congestion_control = lab.congestion_control()
         try:
             def start(i: int, boot: str | None) -> subprocess.Popen:
                 argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--ip", lab.ip(i),
@@ -512,6 +521,7 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
     from dtrain.swarm.averaging.settings import part_size_for
 
     summary: dict = dict(peers=peers, size_mb=size_mb, rate_mbit=rate_mbit, bound_s=bound, rounds=rounds,
+                         tcp_congestion_control=congestion_control,
                          warmup_rounds=warmup, dtrain_part_size_bytes=part_size_bytes or part_size_for(size_bytes))
     for impl in impls.split(","):
         summary[impl] = summarize_impl([row for res in results for row in res if row["impl"] == impl],
@@ -630,6 +640,9 @@ def main(argv=None) -> int:
     ap.add_argument("--matchmaking-s", type=float, default=3.0)
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed rounds per implementation before the measured ones (first connections)")
+    ap.add_argument("--tcp-cc", default=None,
+                    help="TCP congestion control of the peers' namespaces (e.g. cubic, bbr); default: what a new "
+                         "namespace inherits from the host (reported as tcp_congestion_control)")
     ap.add_argument("--json", action="store_true")
     # worker mode (internal)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -654,7 +667,7 @@ def main(argv=None) -> int:
     for rate in args.rate_mbit:
         for n in args.peers:
             results.append(run_group(n, args.size_mb, rate, args.rounds, args.impls, args.part_size_bytes,
-                                     args.matchmaking_s, warmup=args.warmup))
+                                     args.matchmaking_s, warmup=args.warmup, tcp_cc=args.tcp_cc))
             if not args.json:
                 print(_table(results[-1:]), flush=True)
     # The goal (issue #21): what `dtrain mine` ships (dtrain) within 0.8 of the bound and no slower

@@ -24,6 +24,10 @@ from dtrain.swarm.hivemind_internals import deserialize_part, serialize_part
 @dataclass(frozen=True)
 class FaultInjection:
     send_delay_s: float = 0.0  # sleep before each part sent to another reducer (a slow peer)
+    # after its last part to a reducer, hold the stream's end-of-stream marker back this long: an
+    # honest sender on a loaded host whose writer lags, so the reducer's last averaged part
+    # reaches it first and it hangs up before its stream's end went out
+    end_delay_s: float = 0.0
     send_nonfinite: bool = False  # send NaN/Inf instead of our values (a broken/cheating peer)
     scale_parts: float = 1.0  # multiply sent parts after announcing the true norm (a lying poisoner)
     fail_after_parts: Optional[int] = None  # raise in the writer after this many parts (a broken encoder)
@@ -120,6 +124,8 @@ class FaultyRunner(CheckedRunner):
                 part = self._nullspace(deserialize_part(msg.tensor_part), self.share_of(peer_index)[0] + sent - 1)
                 msg.tensor_part.CopyFrom(serialize_part(part, msg.tensor_part.compression))
             yield msg
+        if fault.end_delay_s > 0:
+            await asyncio.sleep(fault.end_delay_s)
 
 
 class FaultyAverager(SwarmAverager):

@@ -296,20 +296,34 @@ class ButterflyRunner(AllReduceRunner):
                     logger.warning("swarm: refusing sender %s: %s", self.sender_peer_ids[sender_index], reason)
                     return
             parts = amap_in_executor(decode, numbered(), max_prefetch=self.tensor_part_container.prefetch)
-            async for averaged, part_compression in self.serve_stream(sender_index, parts):
-                if served == 0:
-                    # by now every sender still in the round has sent its first part, and with it
-                    # its own preamble: what ours carries is complete
-                    head = self.reply_preamble()
-                    if head is not None:
-                        yield averaging_pb2.AveragingData(
-                            code=averaging_pb2.PART_FOR_AVERAGING,
-                            tensor_part=runtime_pb2.Tensor(buffer=head, size=[len(head)], dtype="uint8"))
-                served += 1
-                serialized = await self.serialized_average(served - 1, averaged, part_compression)
-                # hivemind reads neither group_id nor peer_id of a reply: the part's note rides in group_id
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
-                                                  group_id=self.reply_note(served - 1))
+            replies = self.serve_stream(sender_index, parts)
+            try:
+                async for averaged, part_compression in replies:
+                    if served == 0:
+                        # by now every sender still in the round has sent its first part, and with
+                        # it its own preamble: what ours carries is complete
+                        head = self.reply_preamble()
+                        if head is not None:
+                            yield averaging_pb2.AveragingData(
+                                code=averaging_pb2.PART_FOR_AVERAGING,
+                                tensor_part=runtime_pb2.Tensor(buffer=head, size=[len(head)], dtype="uint8"))
+                    served += 1
+                    serialized = await self.serialized_average(served - 1, averaged, part_compression)
+                    # hivemind reads neither group_id nor peer_id of a reply: the part's note rides in group_id
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
+                                                      group_id=self.reply_note(served - 1))
+                    if served >= self.tensor_part_reducer.num_parts:
+                        # Nothing is read past the sender's last part. It hangs up once it holds
+                        # our last reply (CountingStub), which on a loaded host can be before its
+                        # writer sent the stream's end marker; waiting for that marker here, the
+                        # hang-up cancelled this handler, and hivemind's rpc_aggregate_part bans a
+                        # sender on any exception: an honest peer recorded "banned as sender" for
+                        # a race. Ended here, our stream lingers (rpc_aggregate_part below) and
+                        # the hang-up only ends the linger.
+                        break
+            finally:
+                await replies.aclose()
+                await parts.aclose()  # stops its reader task now, not when it is collected
         finally:
             if served != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -320,11 +334,22 @@ class ButterflyRunner(AllReduceRunner):
                 self.bytes_received += msg.ByteSize()
                 yield msg
 
-        delivered = 0
+        delivered, last = 0, None
         async for reply in super().rpc_aggregate_part(counted(), context):
             self.bytes_sent += reply.ByteSize()
-            delivered += reply.code == averaging_pb2.AVERAGED_PART
+            if reply.code == averaging_pb2.AVERAGED_PART:
+                delivered += 1
+                if delivered == self.tensor_part_reducer.num_parts:
+                    # Held until hivemind's handler has returned (at once: nothing is read past
+                    # the last part, _accumulate_parts_streaming). It bans a sender on any
+                    # BaseException, the GeneratorExit of its generator closed at a yield
+                    # included; the sender hangs up as soon as it holds this part, and that
+                    # closed the generator if it came before the handler was resumed once more.
+                    last = reply
+                    continue
             yield reply
+        if last is not None:
+            yield last
         if delivered < self.tensor_part_reducer.num_parts or self.reply_linger_s is None:
             return  # refused or banned: it expects more and would otherwise wait its reducer timeout for our end
         # Do not end the stream: the sender hangs up once it holds its last averaged part
