@@ -460,10 +460,10 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
     long to wait for a worker's results (None: enough for every round to take three times its
     bound, plus one lost matchmaking per implementation; a baseline that loses a round must
     not end the run without the figures of the others)."""
+    size_bytes = int(size_mb * 2**20 / 4) * 4
+    bound = 2.0 * size_bytes * (peers - 1) / peers / (rate_mbit * 1e6 / 8)
     if timeout_s is None:
-        bound_s = 2.0 * size_mb * 2**20 * (peers - 1) / peers / (rate_mbit * 1e6 / 8)
-        timeout_s = sum((rounds + warmup) * (3 * bound_s + 30) + WORKER_MATCHMAKING_TIMEOUT_S
-                        for _ in impls.split(","))
+        timeout_s = len(impls.split(",")) * ((rounds + warmup) * (3 * bound + 30) + WORKER_MATCHMAKING_TIMEOUT_S)
     procs: list[subprocess.Popen] = []
     # Each worker logs (hivemind's warnings included) to its own file; a worker that does not
     # finish is reported with the tail of its log, so a failure names its cause.
@@ -516,8 +516,6 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
                     os.killpg(p.pid, signal.SIGKILL)
             for fh in log_files:
                 fh.close()
-    size_bytes = int(size_mb * 2**20 / 4) * 4
-    bound = 2.0 * size_bytes * (peers - 1) / peers / (rate_mbit * 1e6 / 8)
     from dtrain.swarm.averaging.settings import part_size_for
 
     summary: dict = dict(peers=peers, size_mb=size_mb, rate_mbit=rate_mbit, bound_s=bound, rounds=rounds,
