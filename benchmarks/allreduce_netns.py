@@ -253,8 +253,9 @@ def worker(args) -> int:
 
     from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
     from dtrain.swarm.node import SwarmNode, SwarmNodeConfig
-    from dtrain.training.fingerprint import gradient_sketch
-    from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkReport, work_nonce
+    from dtrain.sketch import gradient_sketch
+    from dtrain.sketch import WORK_SKETCH_K
+    from dtrain.training.work import PageWork, WorkReport, work_nonce
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     numel = int(args.size_mb * 2**20 / 4)

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     from dtrain.training.replica import params_rms, slice_distance
     from dtrain.training.tokenizer import load_fallback_tokenizer
     from dtrain.training.trainer import Trainer, TrainerConfig, recompute_fingerprints, recompute_page_work
-    from dtrain.training.work import WORK_SKETCH_K, WorkLog, work_nonce
+    from dtrain.sketch import WORK_SKETCH_K
+    from dtrain.training.work import WorkLog, work_nonce
     from dtrain.validation.verification import check_page_ids, choose_audit_pages
     from dtrain.modes import SentSketches
     from dtrain.swarm.averaging.audit import (

@@ -87,8 +87,8 @@ class FaultyRunner(CheckedRunner):
         if fault.nullspace_results:
             averaged = self._nullspace(averaged, self.first_part + part_index)
         if fault.nullspace_noise_results:
-            from dtrain.training.fingerprint import project_out_sketch
-            from dtrain.training.work import WORK_SKETCH_K
+            from dtrain.sketch import project_out_sketch
+            from dtrain.sketch import WORK_SKETCH_K
 
             param, start, _ = self.layout.parts[self.first_part + part_index]
             noise = torch.randn(averaged.shape, generator=torch.Generator().manual_seed(part_index), dtype=torch.float64)

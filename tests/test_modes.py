@@ -179,8 +179,9 @@ def test_diloco_contribution_is_anchor_minus_inner_params(bench_of, tmp_path):
     assert all(torch.equal(t, a - p.detach()) for t, a, p in zip(c.tensors, anchor, mode.inner.params))
     assert c.weight == 4.0 * H and len(c.report.steps) == H and [p.page for p in c.report.pages] == pages
     # the report commits to what is sent: the sum of the step updates is the pseudo-gradient's sketch
-    from dtrain.training.fingerprint import gradient_sketch
-    from dtrain.training.work import WORK_SKETCH_K, work_nonce
+    from dtrain.sketch import gradient_sketch
+    from dtrain.sketch import WORK_SKETCH_K
+    from dtrain.training.work import work_nonce
 
     sent = gradient_sketch(c.tensors, work_nonce(bench.run_id, 0), k=WORK_SKETCH_K).tolist()
     assert sent == pytest.approx(c.report.contribution_sketch(), rel=1e-4, abs=1e-6)

@@ -24,7 +24,7 @@ from dtrain.swarm.averaging.accounts import (
 )
 from dtrain.swarm.averaging.centered_clip import clip_account
 from dtrain.swarm.averaging.reducer import CheckedReducer
-from dtrain.training.fingerprint import range_sketch
+from dtrain.sketch import range_sketch
 from dtrain.training.work import work_nonce
 
 NONCE = work_nonce("accounts-test", 1)

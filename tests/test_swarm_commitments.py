@@ -16,8 +16,9 @@ import torch
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
 from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
-from dtrain.training.fingerprint import gradient_sketch
-from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkReport, work_nonce
+from dtrain.sketch import gradient_sketch
+from dtrain.sketch import WORK_SKETCH_K
+from dtrain.training.work import PageWork, WorkReport, work_nonce
 from tests.faults import FaultInjection
 from tests.faults import swarm as make_swarm
 from tests.swarm_checks import loopback_config

@@ -33,8 +33,9 @@ from dtrain.swarm.averaging.contribution import (
 from dtrain.swarm.averaging.reducer import NORM_SLACK
 from dtrain.swarm.averaging.reducer import within_norm as _within
 from dtrain.swarm.records import Outcome
-from dtrain.training.fingerprint import gradient_sketch
-from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkReport, work_nonce
+from dtrain.sketch import gradient_sketch
+from dtrain.sketch import WORK_SKETCH_K
+from dtrain.training.work import PageWork, WorkReport, work_nonce
 
 EPS = codecs.BLOCKWISE_ERROR_BOUND
 RHO = BINDING_RTOL["8bit"]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.training import fingerprint as fp
-from dtrain.training.fingerprint import gradient_sketch, range_sketch
+from dtrain import sketch as fp
+from dtrain.sketch import gradient_sketch, range_sketch
 
 
 def _device_path_add(out, piece, seed, start):

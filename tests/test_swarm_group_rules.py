@@ -14,7 +14,8 @@ import torch
 from dtrain.swarm.averaging import group_rules as gr
 from dtrain.swarm.averaging.contribution import OTHER_EPOCH, Commitment
 from dtrain.swarm.records import Outcome
-from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkReport, work_nonce
+from dtrain.sketch import WORK_SKETCH_K
+from dtrain.training.work import PageWork, WorkReport, work_nonce
 
 NONCE = work_nonce("rules", 4)
 PARTS = 3

@@ -246,7 +246,7 @@ def test_audit_seeds_are_fresh_and_sketches_differ_by_seed():
     s1, s2 = sent.sketches(audit_nonce(a)), sent.sketches(audit_nonce(b))
     assert s1.shape == (len(layout), 64) and not np.allclose(s1, s2)
     # the sketches of all parts add up to the sketch of the whole under the same nonce (linearity)
-    from dtrain.training.fingerprint import gradient_sketch
+    from dtrain.sketch import gradient_sketch
 
     assert np.allclose(s1.astype(np.float64).sum(0), gradient_sketch(x, audit_nonce(a)).numpy(), rtol=1e-5, atol=1e-4)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
-from dtrain.training.fingerprint import Fingerprint, Tolerance, compare_fingerprints, gradient_sketch, range_sketch
+from dtrain.sketch import gradient_sketch, range_sketch
+from dtrain.training.fingerprint import Fingerprint, Tolerance, compare_fingerprints
 from dtrain.training.models import create_model
 from dtrain.training.trainer import (
     Trainer,

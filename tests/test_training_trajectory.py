@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from dtrain.training import snapshots
-from dtrain.training.fingerprint import Fingerprint, compare_fingerprints, gradient_sketch
+from dtrain.sketch import gradient_sketch
+from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
 from dtrain.training.models import create_model
 from dtrain.training.replay import inner_lr_factor, position_inner_lr, replay_steps
 from dtrain.training.trainer import Trainer, TrainerConfig
 from dtrain.training.trajectory import (
     InnerStepWork, SnapshotCommit, TrajectoryLog, TrajectoryReport, parse_report,
 )
-from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError, work_nonce
+from dtrain.sketch import WORK_SKETCH_K
+from dtrain.training.work import WorkReport, WorkReportError, work_nonce
 from dtrain.validation import verification as V
 
 RUN, EPOCH, H, EVERY, PAGES_PER_STEP = "run-t", 3, 5, 2, 2

@@ -12,11 +12,12 @@ from dtrain.swarm.averaging.contribution import (
     BINDING_RTOL, Commitment, PartLayout, binding_error, binding_verdict, compute_claims, part_matches_claim,
 )
 from dtrain.swarm.averaging.centered_clip import centered_clip, weighted_mean
-from dtrain.training.fingerprint import gradient_sketch, range_sketch
+from dtrain.sketch import gradient_sketch, range_sketch
 from dtrain.training.replica import (
     REPLICA_RTOL, params_distance, params_rms, params_sketch, sketch_distance, slice_distance, within_tolerance,
 )
-from dtrain.training.work import WORK_SKETCH_K, PageWork, WorkLog, WorkReport, WorkReportError, work_nonce
+from dtrain.sketch import WORK_SKETCH_K
+from dtrain.training.work import PageWork, WorkLog, WorkReport, WorkReportError, work_nonce
 
 NONCE = work_nonce("unit", 7)
 

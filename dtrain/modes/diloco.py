@@ -180,9 +180,10 @@ class DiLoCo(Mode):
         snapshot before it (docs/protocol.md, "DiLoCo"); with ``batch_audit_probability``, replay
         all of them and check the pseudo-gradient the miner sent against the replay under the
         round audit's secret seed (``req.sent``; dtrain.swarm.averaging.audit.batch_problem)."""
-        from dtrain.training.fingerprint import gradient_sketch
+        from dtrain.sketch import gradient_sketch
         from dtrain.training.replica import sketch_distance, within_tolerance
-        from dtrain.training.work import WORK_SKETCH_K, work_nonce
+        from dtrain.sketch import WORK_SKETCH_K
+        from dtrain.training.work import work_nonce
         from dtrain.validation.verification import (
             check_page_ids, judge_trajectory, start_moments_problem, trajectory_shape_problem,
         )
@@ -246,9 +247,11 @@ class DiLoCo(Mode):
         replay up to that step on the inner copy. Returns (problem, step audits, first replayed
         step - 1, the snapshot's parameters the replay started from; None when it did not)."""
         from dtrain.training import snapshots
-        from dtrain.training.fingerprint import Fingerprint, compare_fingerprints, gradient_sketch
+        from dtrain.sketch import gradient_sketch
+        from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
         from dtrain.training.replay import replay_steps
-        from dtrain.training.work import WORK_SKETCH_K, work_nonce
+        from dtrain.sketch import WORK_SKETCH_K
+        from dtrain.training.work import work_nonce
         from dtrain.validation.verification import (
             MOMENTS_RTOL, SNAPSHOT_RTOL, choose_replay_segment, sketch_mismatch, step_audit,
         )

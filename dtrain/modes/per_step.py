@@ -91,7 +91,8 @@ class PerStep(Mode):
         secret seed (``req.sent``; dtrain.swarm.averaging.audit.batch_problem)."""
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
         from dtrain.training.trainer import recompute_page_work
-        from dtrain.training.work import WORK_SKETCH_K, work_nonce
+        from dtrain.sketch import WORK_SKETCH_K
+        from dtrain.training.work import work_nonce
         from dtrain.validation.verification import check_page_ids, choose_audit_pages, judge_work, page_audit
 
         nonce = work_nonce(self.settings.run_id, epoch)

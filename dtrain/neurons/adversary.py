@@ -412,7 +412,8 @@ def copycat_uid(uid: int) -> int:
 
 def fabricated_fingerprints(samples: int, micro_batch_size: int, nonce: str, last_loss: float | None) -> list:
     """Plausible-looking micro-batch fingerprints computed from nothing."""
-    from dtrain.training.fingerprint import DEFAULT_K, Fingerprint
+    from dtrain.sketch import DEFAULT_K
+    from dtrain.training.fingerprint import Fingerprint
 
     rng = random.Random(hashlib.sha256(nonce.encode()).digest())
     out = []
@@ -454,8 +455,8 @@ def nullspace_reduced(averaged, param_index: int, start: int, nonce: str, scale:
 
 
 def _null_component(values, param_index: int, start: int, nonce: str):
-    from dtrain.training.fingerprint import project_out_sketch
-    from dtrain.training.work import WORK_SKETCH_K
+    from dtrain.sketch import project_out_sketch
+    from dtrain.sketch import WORK_SKETCH_K
 
     # the claims' sketch width: the projection must be of the very sketch the checks compute
     return project_out_sketch(values, param_index, start, nonce, k=WORK_SKETCH_K)

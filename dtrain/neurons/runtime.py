@@ -275,7 +275,7 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
     from dtrain.config import swarm_settings
     from dtrain.swarm.codecs import wire_format
     from dtrain.training.data import ASSIGNMENT_VERSION, MAX_UIDS
-    from dtrain.training.fingerprint import FINGERPRINT_VERSION
+    from dtrain.sketch import SKETCH_VERSION
 
     settings = swarm_settings(cfg)
     if not cfg.model.hub_id:
@@ -288,7 +288,7 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
         # local files have no revision: their names and sizes tell peers on other data apart
         settings["data.files"] = _local_data_identity(cfg)
     doc = {"format": "dtrain-swarm/1", "model": model_fingerprint, "settings": settings, "max_uids": MAX_UIDS,
-           "pages": ASSIGNMENT_VERSION, "sketch": FINGERPRINT_VERSION,
+           "pages": ASSIGNMENT_VERSION, "sketch": SKETCH_VERSION,
            # What allreduce.compression puts on the wire: releases that read "8bit" as another
            # codec (it was hivemind's uniform one) cannot decode each other's parts.
            "codec": wire_format(cfg.allreduce.compression)}

@@ -69,7 +69,7 @@ def replay_steps(trainer, steps: Sequence, *, first_step: int, epoch: int, inner
     """Take ``steps`` (InnerStepWork entries, inner steps ``first_step + 1 ...``) on ``trainer``,
     which holds the snapshot taken after ``first_step`` steps of an epoch whose moments started
     at ``steps_before`` AdamW steps. Returns what each step gave."""
-    from dtrain.training.fingerprint import gradient_sketch
+    from dtrain.sketch import gradient_sketch
 
     out = []
     before = gradient_sketch(list(trainer.params), nonce, k=k)

@@ -42,7 +42,7 @@ def params_distance(a: Sequence, b: Sequence) -> float:
 
 def params_sketch(params: Sequence, k: int = PARAMS_SKETCH_K) -> tuple[float, ...]:
     """The k-dimensional parameter sketch (see the module docstring)."""
-    from dtrain.training.fingerprint import gradient_sketch
+    from dtrain.sketch import gradient_sketch
 
     return tuple(gradient_sketch([p.detach() for p in params], PARAMS_SKETCH_NONCE, k=k).tolist())
 

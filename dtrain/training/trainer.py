@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dtrain.training.errors import TrainerStateError
-from dtrain.training.fingerprint import DEFAULT_K, Fingerprint, gradient_sketch
+from dtrain.sketch import DEFAULT_K, gradient_sketch
+from dtrain.training.fingerprint import Fingerprint
 
 OPTIMIZERS = ("adamw", "lamb", "nesterov")
 PRECISIONS = ("auto", "fp32", "bf16")

@@ -5,7 +5,7 @@ its own pages, starting from the shared parameters of the epoch (the *anchor*) w
 optimizer moments, and puts ``anchor - params`` (the pseudo-gradient) into the round. What it
 commits in the round's gather, before any validator chooses what to check:
 
-* ``start``: the work sketch (``dtrain.training.fingerprint.gradient_sketch`` under the
+* ``start``: the work sketch (``dtrain.sketch.gradient_sketch`` under the
   epoch's public work nonce) of the parameters it started from, ``c_0``;
 * per inner step t: the page counters and page ids it trained, their sample count and mean
   loss, the sketch of the step's sample-summed gradient ``g_t`` (as a per-step page's), and
@@ -37,7 +37,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dtrain.training.work import MAX_REPORT_PAGES, WORK_SKETCH_K, WorkReport, WorkReportError, work_nonce
+from dtrain.sketch import WORK_SKETCH_K
+
+from dtrain.training.work import MAX_REPORT_PAGES, WorkReport, WorkReportError, work_nonce
 
 TRAJECTORY_MODE = "diloco"
 # A step names at most this many pages: a local batch is a handful of pages; the bound keeps
@@ -280,7 +282,7 @@ class TrajectoryLog:
     def gradient_sketch(self, tensors: Sequence, nonce: str | None = None) -> tuple[float, ...]:
         """The epoch's sketch of ``tensors`` (or under ``nonce``): a step's accumulated
         (sample-summed) gradient (take it before the step), the parameters, or moments."""
-        from dtrain.training.fingerprint import gradient_sketch
+        from dtrain.sketch import gradient_sketch
 
         return tuple(gradient_sketch(list(tensors), self.nonce if nonce is None else nonce, k=self.k).tolist())
 

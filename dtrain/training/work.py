@@ -21,8 +21,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from dtrain.sketch import WORK_SKETCH_K
+
 WORK_VERSION = "dtrain/work/v1"
-WORK_SKETCH_K = 64
 # A report names at most this many pages (a miner's local batch is far smaller); the bound
 # keeps a hostile gather from costing its peers unbounded parsing.
 MAX_REPORT_PAGES = 65536
@@ -125,7 +126,7 @@ class WorkLog:
         self._last = None
 
     def record(self, *, page: int, counter: int, samples: int, loss: float, gradients: Sequence) -> PageWork:
-        from dtrain.training.fingerprint import gradient_sketch
+        from dtrain.sketch import gradient_sketch
 
         now = gradient_sketch(gradients, work_nonce(self.run_id, self.epoch), k=self.k).tolist()
         before = self._last or [0.0] * self.k

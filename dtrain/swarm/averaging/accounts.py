@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL
-from dtrain.training.fingerprint import range_sketch
+from dtrain.sketch import range_sketch
 
 
 class AccountError(ValueError):

@@ -42,8 +42,8 @@ from dtrain.swarm.averaging.contribution import (
     ABS_FLOOR, PART_RTOL, PartLayout, compute_claims, decode_wire, wire_form,
 )
 from dtrain.swarm.averaging.result_check import ResultCheck, adds_up
-from dtrain.training.fingerprint import range_sketch
-from dtrain.training.work import WORK_SKETCH_K
+from dtrain.sketch import range_sketch
+from dtrain.sketch import WORK_SKETCH_K
 
 AUDIT_NONCE_PREFIX = "dtrain/audit/v1:"
 # The most parts an audit answer may carry: 8 MiB of float32 sketches (an answer must fit the

@@ -453,8 +453,8 @@ class SwarmAverager(AveragerProcess):
 
 def _sketch_parts(tensors, layout, parts, nonce: str) -> dict:
     """Global part -> the sketch (float64 numpy) of our result for it under ``nonce``."""
-    from dtrain.training.fingerprint import range_sketch
-    from dtrain.training.work import WORK_SKETCH_K
+    from dtrain.sketch import range_sketch
+    from dtrain.sketch import WORK_SKETCH_K
 
     out = {}
     for g in parts:

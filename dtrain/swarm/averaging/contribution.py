@@ -38,8 +38,9 @@ import torch
 
 from dtrain.swarm.averaging.claims_tree import HASH_BYTES, ClaimsTree, part_digest, verify_range
 from dtrain.swarm.codecs import BLOCKWISE_ERROR_BOUND, canonical_compression
-from dtrain.training.fingerprint import range_sketch
-from dtrain.training.work import WORK_SKETCH_K, WorkReport, WorkReportError
+from dtrain.sketch import range_sketch
+from dtrain.sketch import WORK_SKETCH_K
+from dtrain.training.work import WorkReport, WorkReportError
 
 # How far the sum of the claims may be from the report's mean sketch, relative to its norm
 # (the binding check). The claims are sketches of the parts as decoded, the report's of the exact

@@ -85,7 +85,7 @@ def private_claims(private: Any):
     """Our claims [num_parts, k] (float32) from the private part of our gather, or None."""
     import numpy as np
 
-    from dtrain.training.work import WORK_SKETCH_K
+    from dtrain.sketch import WORK_SKETCH_K
 
     data = private.get("claims") if isinstance(private, dict) else None
     if not isinstance(data, bytes) or not data or len(data) % (4 * WORK_SKETCH_K):

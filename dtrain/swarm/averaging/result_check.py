@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL
-from dtrain.training.work import WORK_SKETCH_K
+from dtrain.sketch import WORK_SKETCH_K
 
 RESULT_SEED_TAG = b"dtrain-result-seed/v1"
 RESULT_NONCE_PREFIX = "dtrain/result/v1:"
