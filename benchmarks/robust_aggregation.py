@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from dtrain.swarm import codecs
+    from dtrain.swarm import wire
     from dtrain.swarm.averaging.centered_clip import TAU_SCALE, centered_clip, weighted_mean
     from dtrain.swarm.averaging.contribution import PartLayout
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         trainer = Trainer(copy.deepcopy(base), TrainerConfig(micro_batch_size=8, local_batch_size=args.local_batch,
                                                              lr=args.lr, warmup_steps=0, total_steps=1000))
         if layout is None:
-            layout = PartLayout.of([p.detach() for p in trainer.params], codecs.make_compression("none"),
+            layout = PartLayout.of([p.detach() for p in trainer.params], wire.make_compression("none"),
                                    args.part_size_bytes)
         start = eval_loss(trainer.model)
         curve = [start]

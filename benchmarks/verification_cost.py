@@ -68,9 +68,9 @@ def main(argv=None) -> int:
     from dtrain.swarm.averaging.audit import (
         ReducedPart, RoundEvidence, SentContribution, audit_nonce, audit_round, batch_problem, draw_seed,
     )
-    from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol, wire_form
+    from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol
     from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
-    from dtrain.swarm.codecs import make_compression
+    from dtrain.swarm.wire import make_compression, wire_form
     from dtrain.training.trainer import summed_gradients
 
     torch.set_num_threads(args.threads)

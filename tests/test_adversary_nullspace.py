@@ -17,7 +17,7 @@ import torch
 from dtrain.neurons.adversary import NULLSPACE_SCALE, _nullspace_reduce, nullspace_altered, nullspace_reduced
 from dtrain.swarm.averaging.contribution import PartLayout, compute_claims
 from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
-from dtrain.swarm.codecs import make_compression
+from dtrain.swarm.wire import make_compression
 from dtrain.sketch import DEFAULT_K, project_out_sketch, range_sketch, sketch_buckets
 from dtrain.training.work import work_nonce
 

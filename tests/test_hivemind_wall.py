@@ -45,7 +45,8 @@ HIVEMIND_OBJECTS = {"p2p", "dht", "protocol", "routing_table", "averager", "runn
 # Modules that hold dtrain's rules and must not import hivemind at all.
 PURE = ["dtrain/swarm/averaging/group_rules.py", "dtrain/swarm/averaging/reducer.py",
         "dtrain/swarm/averaging/settings.py", "dtrain/swarm/codecs.py", "dtrain/swarm/library.py",
-        "dtrain/swarm/averaging/assembly.py", "dtrain/swarm/averaging/centered_clip.py"]
+        "dtrain/swarm/averaging/assembly.py", "dtrain/swarm/averaging/centered_clip.py",
+        "dtrain/swarm/averaging/norms.py"]
 
 
 # -- the scanner -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm, Interrupted
 from dtrain.swarm.loopback import local_nodes, run_concurrently
-from dtrain.swarm.codecs import make_compression
+from dtrain.swarm.wire import make_compression
 from dtrain.swarm.records import Outcome, read_records
 from tests.faults import FaultInjection
 from tests.faults import swarm as make_swarm

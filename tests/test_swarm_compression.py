@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from dtrain.swarm import codecs
+from dtrain.swarm import codecs, wire
 from dtrain.swarm.averaging import AveragingConfig
 from dtrain.swarm.averaging.contribution import (
     BINDING_RTOL,
@@ -30,8 +30,8 @@ from dtrain.swarm.averaging.contribution import (
     compute_claims,
     part_matches_claim,
 )
-from dtrain.swarm.averaging.reducer import NORM_SLACK
-from dtrain.swarm.averaging.reducer import within_norm as _within
+from dtrain.swarm.averaging.norms import NORM_SLACK
+from dtrain.swarm.averaging.norms import within_norm as _within
 from dtrain.swarm.records import Outcome
 from dtrain.sketch import gradient_sketch
 from dtrain.sketch import WORK_SKETCH_K
@@ -165,9 +165,9 @@ def _cheats(true, old) -> dict[str, list[torch.Tensor]]:
 
 
 def test_eight_bit_means_the_blockwise_codec_and_its_bound_holds_for_any_input(distributions):
-    comp = codecs.make_compression("8bit")
+    comp = wire.make_compression("8bit")
     assert comp.codec is codecs.BlockwiseAbsmax8Bit
-    assert codecs.make_compression("int8") is comp
+    assert wire.make_compression("int8") is comp
     worst = torch.full((codecs.BLOCK,), 1 / 254 + 1e-7)  # one element at absmax, the rest just past half a step
     worst[0] = 1.0
     cases = {k: v[0] for k, v in distributions.items()}
@@ -190,7 +190,7 @@ def test_wire_bytes_are_a_quarter_plus_one_scale_per_block():
     x = torch.randn(100_000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hivemind's uniform codec uses a deprecated torch quantizer
-        sizes = {name: len(serialize_torch_tensor(x, codecs.make_compression(name).compression_type).buffer)
+        sizes = {name: len(serialize_torch_tensor(x, wire.make_compression(name).compression_type).buffer)
                  for name in ("none", "fp16", "8bit", "8bit-uniform", "8bit-quantile")}
     assert sizes["none"] == 4 * x.numel() and sizes["fp16"] == 2 * x.numel()
     assert sizes["8bit"] == x.numel() + 4 * math.ceil(x.numel() / codecs.BLOCK)  # 0.266 of fp32
@@ -200,7 +200,7 @@ def test_wire_bytes_are_a_quarter_plus_one_scale_per_block():
 def test_a_malformed_or_nonfinite_blockwise_part_never_decodes_to_finite_garbage():
     from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 
-    comp = codecs.make_compression("8bit")
+    comp = wire.make_compression("8bit")
     msg = serialize_torch_tensor(torch.randn(300), comp.compression_type)
     msg.buffer = msg.buffer[:-1]
     with pytest.raises(ValueError, match="must be"):
@@ -216,7 +216,7 @@ def test_single_codebook_8bit_codecs_have_no_bound(distributions):
     """Why ``8bit`` is not hivemind's uniform or quantile codec: one codebook per part loses
     most of an outlier-heavy or sparse gradient, so honest peers would fail the binding check."""
     for name in ("8bit-uniform", "8bit-quantile"):
-        comp = codecs.make_compression(name)
+        comp = wire.make_compression(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for kind in ("outliers", "sparse"):
@@ -229,7 +229,7 @@ def test_single_codebook_8bit_codecs_have_no_bound(distributions):
 def test_fp16_loses_tiny_gradients():
     """Why fp16 keeps its measured tolerance and is not advised for small gradients: a plain
     half-precision cast flushes values below 6e-8 to zero."""
-    comp = codecs.make_compression("fp16")
+    comp = wire.make_compression("fp16")
     x = torch.randn(10_000) * 1e-9
     assert float(as_received(x, comp).abs().max()) == 0.0
 
@@ -241,7 +241,7 @@ def test_fp16_loses_tiny_gradients():
 
 @pytest.mark.parametrize("part_size", PART_SIZES)
 def test_honest_eight_bit_contributions_pass_every_rule(distributions, part_size):
-    comp = codecs.make_compression("8bit")
+    comp = wire.make_compression("8bit")
     worst_binding = {}
     for kind, (x, _) in distributions.items():
         announced = float(_flat(x).norm())
@@ -263,7 +263,7 @@ def test_honest_eight_bit_contributions_pass_every_rule(distributions, part_size
 
 
 def test_every_cheat_fails_the_eight_bit_binding(distributions):
-    comp = codecs.make_compression("8bit")
+    comp = wire.make_compression("8bit")
     smallest = {}
     for kind, (x, old) in distributions.items():
         report = _report(x)
@@ -280,7 +280,7 @@ def test_every_cheat_fails_the_eight_bit_binding(distributions):
 
 
 def test_a_lying_claim_is_refused_part_by_part_under_eight_bit(distributions):
-    comp = codecs.make_compression("8bit")
+    comp = wire.make_compression("8bit")
     x = distributions["lm-gradient"][0]
     _, _, layout, claims = _binding(x, _report(x), comp, 4096)
     decoded = _decoded(x, comp, 4096)
@@ -295,7 +295,7 @@ def test_a_lying_claim_is_refused_part_by_part_under_eight_bit(distributions):
 
 def test_the_averaged_result_stays_within_the_norm_bound_and_the_error_bound(distributions):
     """A reducer averages decoded parts and every peer keeps the decoded average: twice the codec."""
-    comp = codecs.make_compression("8bit")
+    comp = wire.make_compression("8bit")
     for kind, (x, old) in distributions.items():
         peers = [x, old, [t * 0.7 for t in old]]
         exact = [torch.stack(ts).mean(0) for ts in zip(*peers)]

@@ -17,8 +17,8 @@ import torch
 
 from dtrain.swarm.averaging import AveragingConfig
 from dtrain.swarm.averaging.centered_clip import centered_clip
-from dtrain.swarm.averaging.contribution import PartLayout, as_received
-from dtrain.swarm.codecs import make_compression
+from dtrain.swarm.averaging.contribution import PartLayout
+from dtrain.swarm.wire import as_received, make_compression
 from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
 from tests.faults import FaultInjection

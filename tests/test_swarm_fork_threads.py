@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from hivemind.compression import CompressionInfo
     from dtrain.swarm.averaging.averager import AVERAGER_TORCH_THREADS, reset_torch_threads_after_fork
-    from dtrain.swarm.codecs import make_compression
+    from dtrain.swarm.wire import make_compression
 
     torch.set_num_threads(2)
     (torch.randn(1_000_000) * 2).sum()  # the parent has used its pool before it forks

@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from dtrain.swarm.averaging.centered_clip import centered_clip, clip_account
-from dtrain.swarm.averaging.reducer import (
-    NORM_SLACK,
-    CheckedReducer,
-    ReducerFinished,
-    SenderBanned,
-    part_check,
-    within_norm,
-)
+from dtrain.swarm.averaging.norms import NORM_SLACK, part_check, within_norm
+from dtrain.swarm.averaging.reducer import CheckedReducer, ReducerFinished, SenderBanned
 
 SHAPES = (torch.Size([4]), torch.Size([4]))
 

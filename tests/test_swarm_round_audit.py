@@ -19,7 +19,7 @@ from dtrain.swarm.averaging.audit import (
     SentContribution, audit_nonce, audit_round, batch_problem, draw_seed,
 )
 from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol
-from dtrain.swarm.codecs import make_compression
+from dtrain.swarm.wire import make_compression
 from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
 from dtrain.modes import SentSketches

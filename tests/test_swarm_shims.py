@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.swarm import codecs
+from dtrain.swarm import wire
 from dtrain.swarm import hivemind_internals as wall
 from dtrain.swarm.hivemind_internals import shims
 
@@ -69,13 +69,13 @@ def test_highs_matches_lp_optimum():
 def test_make_compression_names():
     from hivemind.compression import Float16Compression, NoCompression
 
-    assert isinstance(codecs.make_compression("none"), NoCompression)
-    assert isinstance(codecs.make_compression("fp16"), Float16Compression)
-    assert isinstance(codecs.make_compression("8bit"), wall.BlockwiseAbsmax8BitCompression)
+    assert isinstance(wire.make_compression("none"), NoCompression)
+    assert isinstance(wire.make_compression("fp16"), Float16Compression)
+    assert isinstance(wire.make_compression("8bit"), wall.BlockwiseAbsmax8BitCompression)
     for name in ("8bit-uniform", "8bit-quantile"):
-        assert getattr(type(codecs.make_compression(name)), "_dtrain_fixed", False)
+        assert getattr(type(wire.make_compression(name)), "_dtrain_fixed", False)
     with pytest.raises(ValueError):
-        codecs.make_compression("4bit")
+        wire.make_compression("4bit")
 
 
 @pytest.mark.slow

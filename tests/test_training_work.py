@@ -43,10 +43,10 @@ def test_part_layout_is_hiveminds(compression):
     """The parts dtrain claims about are exactly the ones hivemind's container sends."""
     from hivemind.averaging.partition import TensorPartContainer
 
-    from dtrain.swarm import codecs
+    from dtrain.swarm import wire
 
     ts = _tensors() + [torch.randn(3000)]
-    comp = codecs.make_compression(compression)
+    comp = wire.make_compression(compression)
     layout = PartLayout.of(ts, comp, part_size_bytes=1024)
     container = TensorPartContainer(ts, peer_fractions=(0.5, 0.3, 0.2), compression=comp, part_size_bytes=1024)
     theirs = [part for peer in range(3) for part in container.get_raw_input_parts(peer)]
@@ -61,9 +61,9 @@ def _report_for(tensors, samples=8, epoch=7):
 
 
 def _commitment(sent, report, compression="none"):
-    from dtrain.swarm import codecs
+    from dtrain.swarm import wire
 
-    comp = codecs.make_compression(compression)
+    comp = wire.make_compression(compression)
     layout = PartLayout.of(sent, comp, 512)
     claims = compute_claims(sent, layout, NONCE, comp)
     return Commitment.parse(Commitment.of_claims(NONCE, report, claims).to_gather()), layout, claims

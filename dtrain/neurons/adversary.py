@@ -205,7 +205,7 @@ class NullspaceSender(_AlteredContribution):
 
     def alter(self, mean):
         from dtrain.swarm.averaging.contribution import PartLayout
-        from dtrain.swarm.codecs import make_compression
+        from dtrain.swarm.wire import make_compression
         from dtrain.training.work import work_nonce
 
         # The parts and the nonce the swarm will claim this contribution under: the layout from

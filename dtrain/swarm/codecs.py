@@ -1,9 +1,8 @@
 """Wire compression: what each ``allreduce.compression`` setting means, and dtrain's 8-bit codec.
 
-The names and the codec's arithmetic live here, free of hivemind, so the swarm fingerprint
-(``wire_format``) and the tolerances (dtrain.swarm.averaging.contribution) cost no import of
-it. The codec reaches the wire through hivemind's serializer: the hivemind wrapper and its
-registration under the ``BLOCKWISE_8BIT`` wire id are in dtrain/swarm/hivemind_internals/shims.py.
+The names and the codec's arithmetic, free of hivemind: the swarm fingerprint (``wire_format``)
+and the tolerances read them without importing it. How a part reaches the wire (hivemind's
+serializer, the codec registered in the wall) is dtrain/swarm/wire.py.
 """
 
 from __future__ import annotations
@@ -125,16 +124,3 @@ _WIRE_FORMATS = {"none": "fp32", "fp16": "fp16", "8bit": f"blockwise-absmax-int8
 def wire_format(name: str) -> str:
     """A stable description of what a compression setting sends (for the swarm fingerprint)."""
     return _WIRE_FORMATS[canonical_compression(name)]
-
-
-def make_compression(name: str):
-    """The hivemind compression object of a config string.
-
-    ``8bit`` is dtrain's :class:`BlockwiseAbsmax8Bit` (bounded error for any gradient);
-    ``8bit-uniform`` / ``8bit-quantile`` are hivemind's single-codebook quantizers, kept for
-    experiments: their error has no bound (docs/swarm.md, "Wire compression").
-    """
-    key = canonical_compression(name)
-    from dtrain.swarm import hivemind_internals  # hivemind's objects come from the wall
-
-    return hivemind_internals.compression(key)

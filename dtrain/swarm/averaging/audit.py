@@ -38,9 +38,8 @@ import numpy as np
 import torch
 
 from dtrain.swarm.averaging.claims_tree import part_digest
-from dtrain.swarm.averaging.contribution import (
-    ABS_FLOOR, PART_RTOL, PartLayout, compute_claims, decode_wire, wire_form,
-)
+from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL, PartLayout, compute_claims
+from dtrain.swarm.wire import decode_wire, wire_form
 from dtrain.swarm.averaging.result_check import ResultCheck, adds_up
 from dtrain.sketch import range_sketch
 from dtrain.sketch import WORK_SKETCH_K

@@ -338,8 +338,9 @@ class SwarmAverager(AveragerProcess):
         if not plan:
             return
         from dtrain.swarm.averaging.claims_tree import part_digest
-        from dtrain.swarm.averaging.contribution import decode_wire, part_matches_claim
-        from dtrain.swarm.averaging.reducer import part_check, within_norm
+        from dtrain.swarm.averaging.contribution import part_matches_claim
+        from dtrain.swarm.wire import decode_wire
+        from dtrain.swarm.averaging.norms import part_check, within_norm
 
         loop = asyncio.get_event_loop()
         senders, layout, compression = runner.sender_ids, runner.layout, runner.wire_compression

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from dtrain.swarm.averaging.reducer import part_check
+from dtrain.swarm.averaging.norms import part_check
 
 TAU_SCALE = 1.0
 ITERATIONS = 20

@@ -38,6 +38,7 @@ import torch
 
 from dtrain.swarm.averaging.claims_tree import HASH_BYTES, ClaimsTree, part_digest, verify_range
 from dtrain.swarm.codecs import BLOCKWISE_ERROR_BOUND, canonical_compression
+from dtrain.swarm.wire import as_received, wire_form
 from dtrain.sketch import range_sketch
 from dtrain.sketch import WORK_SKETCH_K
 from dtrain.training.work import WorkReport, WorkReportError
@@ -106,41 +107,6 @@ class PartLayout:
 
     def __len__(self) -> int:
         return len(self.parts)
-
-
-def as_received(part: torch.Tensor, compression) -> torch.Tensor:
-    """What a receiver decodes from ``part`` sent with ``compression`` (the lossy round trip;
-    the part itself when there is no compression)."""
-    if compression.compression_type == 0:  # NONE: exact, skip the copy
-        return part
-    return wire_form(part, compression)[1]
-
-
-def wire_form(part: torch.Tensor, compression) -> tuple[bytes, torch.Tensor]:
-    """(the part's wire bytes, what a receiver decodes of them): the codec is deterministic, so
-    these are the bytes hivemind sends for the part."""
-    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-
-    wire = serialize_torch_tensor(part.detach(), compression.compression_type)
-    decoded = part if compression.compression_type == 0 else deserialize_torch_tensor(wire)
-    return bytes(wire.buffer), decoded
-
-
-def decode_wire(wire: bytes, length: int, compression) -> torch.Tensor:
-    """The float32 part of ``length`` values that ``wire`` (a part's wire bytes, sent with
-    ``compression``) decodes to; ValueError when the bytes are not such a part."""
-    from hivemind.compression import deserialize_torch_tensor
-    from hivemind.proto import runtime_pb2
-
-    message = runtime_pb2.Tensor(buffer=bytes(wire), size=[int(length)], dtype="float32",
-                                 compression=compression.compression_type)
-    try:
-        part = deserialize_torch_tensor(message)
-    except Exception as exc:  # the codecs raise several types on malformed buffers
-        raise ValueError(f"{type(exc).__name__}: {exc}"[:200]) from None
-    if part.numel() != length:
-        raise ValueError(f"{part.numel()} values, expected {length}")
-    return part.float()
 
 
 def commit_parts(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,

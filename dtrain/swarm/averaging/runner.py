@@ -45,8 +45,9 @@ import torch
 
 from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree, part_digest
 from dtrain.swarm.averaging.accounts import Account, AccountError, account_problem, own_part_problem
-from dtrain.swarm.averaging.contribution import as_received
-from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned, part_check, within_norm
+from dtrain.swarm.wire import as_received
+from dtrain.swarm.averaging.norms import part_check, within_norm
+from dtrain.swarm.averaging.reducer import CheckedReducer, SenderBanned
 from dtrain.swarm.hivemind_internals import ButterflyRunner, serialize_part
 
 # How long a reducer keeps a sender's stream open after its last averaged part, waiting for

@@ -19,9 +19,9 @@ import torch
 import dtrain.swarm.hivemind_internals  # noqa: F401  (first: hivemind's shims, and its version check)
 from dtrain.swarm.averaging.assembly import expect_list
 from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS, MAX_REFUSED_NAMED, make_gather, schema_hash
-from dtrain.swarm.averaging.reducer import part_check
+from dtrain.swarm.averaging.norms import part_check
 from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
-from dtrain.swarm.codecs import make_compression
+from dtrain.swarm.wire import make_compression
 from dtrain.swarm.records import Outcome, PeerResult, RoundLog, RoundRecord
 
 

@@ -212,7 +212,7 @@ class ButterflyRunner(AllReduceRunner):
     def as_received(self, part: torch.Tensor) -> torch.Tensor:
         """Hook: what a remote sender decodes of ``part`` (the lossy compression round trip). Our
         own share keeps exactly that, so every peer holds the same bits. dtrain's rule is
-        dtrain.swarm.averaging.contribution.as_received, which the claims are computed with too."""
+        dtrain.swarm.wire.as_received, which the claims are computed with too."""
         raise NotImplementedError
 
     # -- client side -----------------------------------------------------------------------

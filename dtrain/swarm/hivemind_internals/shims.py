@@ -152,7 +152,7 @@ _REGISTERED = {"8bit": BlockwiseAbsmax8Bit.WIRE_ID, "8bit-uniform": "UNIFORM_8BI
 
 
 def compression(key: str):
-    """hivemind's compression object for a canonical setting (dtrain.swarm.codecs.make_compression)."""
+    """hivemind's compression object for a canonical setting (dtrain.swarm.wire.make_compression)."""
     install_shims()
     if key == "none":
         return NoCompression()
