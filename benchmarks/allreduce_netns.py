@@ -253,8 +253,7 @@ def worker(args) -> int:
 
     from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
     from dtrain.swarm.node import SwarmNode, SwarmNodeConfig
-    from dtrain.sketch import gradient_sketch
-    from dtrain.sketch import WORK_SKETCH_K
+    from dtrain.sketch import WORK_SKETCH_K, gradient_sketch
     from dtrain.training.work import PageWork, WorkReport, work_nonce
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -333,7 +332,7 @@ def worker(args) -> int:
                 )
                 if not prod:  # the ablation: hivemind's weighted mean, no work commitments
                     cfg = cfg.replace(aggregation="mean", require_commitments=False)
-                swarm = GradientSwarm(node.dht, [mine], "bench", cfg)
+                swarm = GradientSwarm(node.dht, [mine], "bench", cfg, report_type=WorkReport)
                 meter = CpuMeter(swarm._averager.pid, dht_pid)
                 try:
                     for r in range(-args.warmup, args.rounds):

@@ -308,7 +308,7 @@ def swarms_for(cfg, nodes, modes, prefix: str) -> list:
     avg = dataclasses.replace(averaging_config(cfg, None), prefix=prefix, min_matchmaking_time_s=1.0,
                               request_timeout_s=0.5, matchmaking_timeout_s=60.0, allow_state_sharing=False)
     return [GradientSwarm(nd.dht, [p.detach() for p in m.trainer.params], f"conv-{prefix}", avg,
-                          mode=cfg.allreduce.mode) for nd, m in zip(nodes, modes)]
+                          mode=cfg.allreduce.mode, report_type=m.report_type) for nd, m in zip(nodes, modes)]
 
 
 class RoundLog:

@@ -64,11 +64,11 @@ def main(argv=None) -> int:
     from dtrain.sketch import WORK_SKETCH_K
     from dtrain.training.work import WorkLog, work_nonce
     from dtrain.validation.verification import check_page_ids, choose_audit_pages
-    from dtrain.modes import SentSketches
     from dtrain.swarm.averaging.audit import (
-        ReducedPart, RoundEvidence, SentContribution, audit_nonce, audit_round, batch_problem, draw_seed,
+        ReducedPart, RoundEvidence, SenderAudit, audit_nonce, audit_round, batch_problem, draw_seed,
     )
     from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol
+    from dtrain.swarm.averaging.kept import SentContribution
     from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
     from dtrain.swarm.wire import make_compression, wire_form
     from dtrain.training.trainer import summed_gradients
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     mean = [g.detach().float().div(report.samples).cpu().clone() for g in trainer.gradients()]
     layout = PartLayout.of(mean, compression, part_size_for(sum(4 * t.numel() for t in mean)))
     sent = SentContribution(mean, layout, compression, round_id="bench")
-    evidence = RoundEvidence(senders=["miner"], layout=layout, compression=compression,
+    evidence = RoundEvidence(senders=["miner"], layout=layout, compression=wire.compression,
                              parts={g: ReducedPart("reducer", (1.0,), (None,)) for g in range(len(layout))})
     result = [t.clone() for t in mean]
     for i, start, length in layout.parts:  # what a receiver decodes of the miner's parts
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                                        into=total)
             samples += n
         work_mean = [None if g is None else g.float().div(samples) for g in total]
-        claim = SentSketches(nonce=secret, sketches=sketches, confirmed=frozenset(found.confirmed["miner"]),
+        claim = SenderAudit(nonce=secret, sketches=sketches, confirmed=frozenset(found.confirmed["miner"]),
                              layout=layout, rtol=rtol)
         assert batch_problem(work_mean, claim) == ""
 

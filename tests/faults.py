@@ -1,10 +1,10 @@
-"""Deliberate misbehaviour of a swarm peer, for tests: a slow, broken or lying sender.
+"""Deliberate misbehaviour of a swarm peer, for tests: a slow, broken or lying sender or reducer.
 
-Production code has no fault switches. A faulty peer is built from the seams the real one
-offers: FaultySwarm starts a FaultyAverager (GradientSwarm._new_averager), whose runner is a
-FaultyRunner (SwarmAverager.runner_class / make_runner), which alters the wire messages it
-sends to other reducers (ButterflyRunner.messages_to_reducer). Everything else, its own share
-included, is the honest code path.
+Production code has no fault switches. A faulty peer is an honest GradientSwarm whose round is
+built from faulty mechanisms (dtrain.swarm.averaging.mechanisms): what it sends other reducers
+(sending), how it reduces its share (share), what it returns (reply), and how it answers
+questions about what it sent (kept). Everything else, its own share included, is the honest
+code path.
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ from typing import Optional
 
 import torch
 
+from dtrain.sketch import WORK_SKETCH_K, project_out_sketch
 from dtrain.swarm.averaging import GradientSwarm
-from dtrain.swarm.averaging.averager import SwarmAverager
-from dtrain.swarm.averaging.runner import CheckedRunner
+from dtrain.swarm.averaging.butterfly import OurParts
+from dtrain.swarm.averaging.kept import SentContribution, decode_ask
+from dtrain.swarm.averaging.mechanisms import Mechanisms
+from dtrain.swarm.averaging.reply import ReducerReply
+from dtrain.swarm.averaging.share import ShareChecks
 from dtrain.swarm.hivemind_internals import deserialize_part, serialize_part
 
 
@@ -58,60 +62,42 @@ class FaultInjection:
     silent_in_result_check: bool = False
 
 
-class FaultyRunner(CheckedRunner):
-    def __init__(self, *, fault: FaultInjection, **kwargs):
-        self.fault = fault
-        super().__init__(**kwargs)
+def _nullspace(plan, values, global_part: int):
+    from dtrain.neurons.adversary import nullspace_reduced
 
-    def preamble_for(self, peer_index: int):
-        if not self.fault.forge_claims or self.own_tree is None:
-            return super().preamble_for(peer_index)
-        from dtrain.swarm.averaging.claims_tree import ClaimsTree
+    param, start, _ = plan.layout.parts[global_part]
+    return nullspace_reduced(values, param, start, plan.rules.claims_nonce).to(values.dtype)
 
-        forged = ClaimsTree(self.own_tree.claims * self.fault.scale_parts)  # sketches are linear
-        return forged.range_proof(*self.share_of(peer_index))
 
-    def new_reducer(self, part_shapes, num_senders):
-        if self.fault.drop_sender in self.sender_ids:
-            self.sender_weights[self.sender_ids.index(self.fault.drop_sender)] = 0.0
-        return super().new_reducer(part_shapes, num_senders)
+def mechanisms(fault: FaultInjection) -> Mechanisms:
+    """The round's mechanisms of a peer with ``fault`` (each runs in its averager process)."""
+    rounds = {}  # the round's plan, for the kept contribution's lies (it knows no plan of its own)
 
-    def _nullspace(self, values, global_part: int):
-        from dtrain.neurons.adversary import nullspace_reduced
+    class Sending(OurParts):
+        def head_for(self, reducer_index: int):
+            if not fault.forge_claims or self.plan.own_tree is None:
+                return super().head_for(reducer_index)
+            from dtrain.swarm.averaging.claims_tree import ClaimsTree
 
-        param, start, _ = self.layout.parts[global_part]
-        return nullspace_reduced(values, param, start, self.claims_nonce).to(values.dtype)
+            forged = ClaimsTree(self.plan.own_tree.claims * fault.scale_parts)  # sketches are linear
+            return forged.range_proof(*self.plan.share_of(reducer_index))
 
-    def serialized_average(self, part_index: int, averaged, compression):
-        fault = self.fault
-        if fault.nullspace_results:
-            averaged = self._nullspace(averaged, self.first_part + part_index)
-        if fault.nullspace_noise_results:
-            from dtrain.sketch import project_out_sketch
-            from dtrain.sketch import WORK_SKETCH_K
+        async def stream(self, reducer_index: int, parts):
+            sent = 0
+            async for item in super().stream(reducer_index, parts):
+                if isinstance(item, bytes):  # the head
+                    yield item
+                    continue
+                if fault.fail_after_parts is not None and sent >= fault.fail_after_parts:
+                    raise RuntimeError("injected: the part could not be encoded")
+                sent += 1
+                if fault.send_delay_s > 0:
+                    await asyncio.sleep(fault.send_delay_s)
+                yield self._altered(item, self.plan.share_of(reducer_index)[0] + sent - 1)
+            if fault.end_delay_s > 0:
+                await asyncio.sleep(fault.end_delay_s)
 
-            param, start, _ = self.layout.parts[self.first_part + part_index]
-            noise = torch.randn(averaged.shape, generator=torch.Generator().manual_seed(part_index), dtype=torch.float64)
-            hidden = project_out_sketch(noise, param, start, self.claims_nonce, k=WORK_SKETCH_K)
-            scale = fault.nullspace_noise_results * float(averaged.norm()) / max(float(hidden.norm()), 1e-30)
-            averaged = (averaged.double() + scale * hidden).to(averaged.dtype)
-        if fault.scale_results != 1.0 or fault.noise_results:
-            altered = averaged * fault.scale_results
-            if fault.noise_results:
-                noise = torch.randn(averaged.shape, generator=torch.Generator().manual_seed(part_index))
-                altered += noise * (fault.noise_results * float(averaged.norm()) / float(noise.norm()))
-            averaged = altered
-        return super().serialized_average(part_index, averaged, compression)
-
-    async def messages_to_reducer(self, peer_index: int, messages):
-        fault = self.fault
-        sent = 0
-        async for msg in messages:
-            if fault.fail_after_parts is not None and sent >= fault.fail_after_parts:
-                raise RuntimeError("injected: the part could not be encoded")
-            sent += 1
-            if fault.send_delay_s > 0:
-                await asyncio.sleep(fault.send_delay_s)
+        def _altered(self, msg, global_part: int):
             if fault.send_nonfinite:
                 part = deserialize_part(msg.tensor_part)
                 bad = torch.full_like(part, float("nan"))
@@ -121,56 +107,75 @@ class FaultyRunner(CheckedRunner):
                 part = deserialize_part(msg.tensor_part)
                 msg.tensor_part.CopyFrom(serialize_part(part * fault.scale_parts, msg.tensor_part.compression))
             if fault.nullspace_parts:
-                part = self._nullspace(deserialize_part(msg.tensor_part), self.share_of(peer_index)[0] + sent - 1)
+                part = _nullspace(self.plan, deserialize_part(msg.tensor_part), global_part)
                 msg.tensor_part.CopyFrom(serialize_part(part, msg.tensor_part.compression))
-            yield msg
-        if fault.end_delay_s > 0:
-            await asyncio.sleep(fault.end_delay_s)
+            return msg
 
+    class Share(ShareChecks):
+        def __init__(self, plan):
+            rounds["plan"] = plan
+            super().__init__(plan)
 
-class FaultyAverager(SwarmAverager):
-    runner_class = FaultyRunner
+        def new_reducer(self, part_shapes):
+            if fault.drop_sender in self.plan.sender_ids:
+                weights = list(self.plan.rules.sender_weights)
+                weights[self.plan.sender_ids.index(fault.drop_sender)] = 0.0
+                from dtrain.swarm.averaging.reducer import CheckedReducer
 
-    def __init__(self, *args, fault: FaultInjection, **kwargs):
-        self.fault = fault
-        super().__init__(*args, **kwargs)
+                return CheckedReducer(part_shapes, self.plan.num_senders, weights, self.plan.rules.sender_norms,
+                                      robust=self.plan.rules.robust)
+            return super().new_reducer(part_shapes)
 
-    def make_runner(self, *args, **kwargs):
-        self.runner = super().make_runner(*args, fault=self.fault, **kwargs)
-        return self.runner
+    class Reply(ReducerReply):
+        def serialized(self, part_index: int, averaged, compression):
+            return super().serialized(part_index, self._altered(part_index, averaged), compression)
 
-    async def answer_member(self, group_id, payload, asker):
-        if self.fault.silent_in_result_check:
-            return None
-        answer = await super().answer_member(group_id, payload, asker)
-        if answer is not None and self.fault.lie_in_result_check:
+        def _altered(self, part_index: int, averaged):
+            g = self.plan.share_of(self.plan.me)[0] + part_index
+            if fault.nullspace_results:
+                averaged = _nullspace(self.plan, averaged, g)
+            if fault.nullspace_noise_results:
+                param, start, _ = self.plan.layout.parts[g]
+                noise = torch.randn(averaged.shape, generator=torch.Generator().manual_seed(part_index),
+                                    dtype=torch.float64)
+                hidden = project_out_sketch(noise, param, start, self.plan.rules.claims_nonce, k=WORK_SKETCH_K)
+                scale = fault.nullspace_noise_results * float(averaged.norm()) / max(float(hidden.norm()), 1e-30)
+                averaged = (averaged.double() + scale * hidden).to(averaged.dtype)
+            if fault.scale_results != 1.0 or fault.noise_results:
+                altered = averaged * fault.scale_results
+                if fault.noise_results:
+                    noise = torch.randn(averaged.shape, generator=torch.Generator().manual_seed(part_index))
+                    altered += noise * (fault.noise_results * float(averaged.norm()) / float(noise.norm()))
+                averaged = altered
+            return averaged
+
+    class Kept(SentContribution):
+        async def answer_member(self, payload, asker, nonce_of):
+            if fault.silent_in_result_check:
+                return None
+            answer = await super().answer_member(payload, asker, nonce_of)
+            if answer is None or not fault.lie_in_result_check:
+                return answer
             import numpy as np
 
-            from dtrain.swarm.averaging import result_check
-
-            sketches = np.frombuffer(answer, dtype="<f4").reshape(-1, 64).copy()
-            if self.fault.lie_in_result_check == "all":
+            sketches = np.frombuffer(answer, dtype="<f4").reshape(-1, WORK_SKETCH_K).copy()
+            if fault.lie_in_result_check == "all":
                 rows = list(range(len(sketches)))
             else:  # the first part asked of another reducer's share (a lie about our own result frames no one)
-                own = self.runner.own_share()
-                _, _, parts = result_check.decode_ask(payload, len(self._sent.sent.layout))
+                own = rounds["plan"].own_share
+                _, _, parts = decode_ask(payload, len(self.layout))
                 rows = [next(i for i, g in enumerate(parts) if g not in own)]
             sketches[rows] = -sketches[rows]
-            answer = sketches.astype("<f4").tobytes()
-        return answer
+            return sketches.astype("<f4").tobytes()
 
-
-class FaultySwarm(GradientSwarm):
-    def __init__(self, *args, fault: FaultInjection, **kwargs):
-        self.fault = fault  # read by _new_averager, which GradientSwarm.__init__ calls
-        super().__init__(*args, **kwargs)
-
-    def _new_averager(self, buffers, dht, **kwargs):
-        return FaultyAverager(buffers, dht, fault=self.fault, **kwargs)
+    return Mechanisms(sending=Sending, share=Share, reply=Reply, kept=Kept)
 
 
 def swarm(dht, templates, fingerprint, config=None, *, fault: Optional[FaultInjection] = None, **kwargs):
-    """A GradientSwarm, faulty when ``fault`` is given."""
-    if fault is None:
-        return GradientSwarm(dht, templates, fingerprint, config, **kwargs)
-    return FaultySwarm(dht, templates, fingerprint, config, fault=fault, **kwargs)
+    """A GradientSwarm that commits per-step work reports, faulty when ``fault`` is given."""
+    from dtrain.training.work import WorkReport
+
+    kwargs.setdefault("report_type", WorkReport)
+    if fault is not None:
+        kwargs["mechanisms"] = mechanisms(fault)
+    return GradientSwarm(dht, templates, fingerprint, config, **kwargs)

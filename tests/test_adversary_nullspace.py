@@ -130,17 +130,20 @@ def test_nullspace_reducer_keeps_the_part_sketch_and_about_negates():
     assert _cosine(returned, averaged) < -0.9
 
 
-def test_nullspace_reducer_finds_the_part_from_the_runner():
-    # a stand-in for the three CheckedRunner attributes the alteration reads
+def test_nullspace_reducer_finds_the_part_from_the_round_plan():
+    # a stand-in for what the alteration reads of the round's plan (formation.RoundPlan): the layout,
+    # our share (parts 2 and 3, this peer is member 1) and the claims' nonce
     layout = PartLayout(((0, 0, 300), (0, 300, 300), (1, 0, 500), (1, 500, 200)))
-    runner = SimpleNamespace(layout=layout, first_part=2, claims_nonce=NONCE)
+    plan = SimpleNamespace(layout=layout, me=1, share_of=lambda k: (2, 4),
+                           rules=SimpleNamespace(commitments={}, claims_nonce=NONCE))
     averaged = _randn(200, seed=31, dtype=torch.float32)
-    returned = _nullspace_reduce(averaged, runner=runner, part_index=1)  # global part 3: (1, 500, 200)
+    returned = _nullspace_reduce(averaged, plan=plan, part_index=1)  # global part 3: (1, 500, 200)
     assert _relative(range_sketch(returned, 1, 500, NONCE), range_sketch(averaged, 1, 500, NONCE)) < 1e-6
     assert _cosine(returned, averaged) < 0
-    # without commitments there is no layout: the part goes back unchanged
-    plain = SimpleNamespace(layout=None, first_part=0, claims_nonce="")
-    assert _nullspace_reduce(averaged, runner=plain, part_index=0) is averaged
+    # without commitments there is no public sketch to hide in: the part goes back unchanged
+    plain = SimpleNamespace(layout=layout, me=1, share_of=lambda k: (2, 4),
+                            rules=SimpleNamespace(commitments=None, claims_nonce=""))
+    assert _nullspace_reduce(averaged, plan=plain, part_index=0) is averaged
 
 
 @pytest.mark.parametrize("mode", ["gradient", "diloco"])

@@ -284,11 +284,9 @@ RPCS = ("rpc_aggregate_part", "rpc_ask_member", "rpc_download_state", "rpc_join_
 
 
 def _averager_classes():
-    from dtrain.swarm.averaging.averager import SwarmAverager
     from dtrain.swarm.hivemind_internals import AveragerProcess
-    from tests.faults import FaultyAverager
 
-    return [AveragerProcess, SwarmAverager, FaultyAverager]
+    return [AveragerProcess]  # dtrain's rules never subclass it (its round handler is composed in)
 
 
 def test_the_rpc_names_on_the_wire_are_unchanged():

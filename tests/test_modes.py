@@ -179,8 +179,7 @@ def test_diloco_contribution_is_anchor_minus_inner_params(bench_of, tmp_path):
     assert all(torch.equal(t, a - p.detach()) for t, a, p in zip(c.tensors, anchor, mode.inner.params))
     assert c.weight == 4.0 * H and len(c.report.steps) == H and [p.page for p in c.report.pages] == pages
     # the report commits to what is sent: the sum of the step updates is the pseudo-gradient's sketch
-    from dtrain.sketch import gradient_sketch
-    from dtrain.sketch import WORK_SKETCH_K
+    from dtrain.sketch import WORK_SKETCH_K, gradient_sketch
     from dtrain.training.work import work_nonce
 
     sent = gradient_sketch(c.tensors, work_nonce(bench.run_id, 0), k=WORK_SKETCH_K).tolist()
@@ -396,7 +395,7 @@ def test_a_real_diloco_round_between_two_peers_keeps_their_replicas_identical(be
     cfg = loopback_config("modes-diloco", 2, require_commitments=True, aggregation="centered_clip")
     with local_nodes(2) as nodes:
         swarms = [GradientSwarm(n.dht, [p.detach() for p in b.trainer.params], b.swarm_fingerprint, cfg,
-                                mode="diloco") for n, b in zip(nodes, benches)]
+                                mode="diloco", report_type=b.mode.report_type) for n, b in zip(nodes, benches)]
         try:
             records = run_concurrently(
                 [lambda s=s, c=c: s.run_round(c.tensors, weight=c.weight, cap=c.weight, tokens=int(c.weight) * 32,

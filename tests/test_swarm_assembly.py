@@ -12,7 +12,6 @@ from dtrain.swarm.averaging.assembly import (
     EXPECT_KEY,
     MAX_EXPECTED,
     MemberClaim,
-    claim_from_gather_bytes,
     claim_from_user_gather,
     expect_list,
     ready_to_assemble,
@@ -78,12 +77,20 @@ def test_user_gather_parsing_refuses_malformed_values():
 
 
 def test_gather_bytes_of_any_shape_never_raise():
-    assert claim_from_gather_bytes("p", hivemind_gather({"w": 0.0, EXPECT_KEY: ["m"]}), loads) == \
-        MemberClaim("p", 0.0, frozenset({"m"}))
+    """The wall decodes a member's gather for the rule (AveragerProcess._user_gather): whatever the
+    bytes, the rule gets a claim, and bytes that are not dtrain's layout one with neither weight nor list."""
+    from dtrain.swarm.hivemind_internals import AveragerProcess
+
+    averager = object.__new__(AveragerProcess)  # the decoder only: no process, no DHT
+    averager._parent_pid = None  # what hivemind's __del__ reads
+
+    def claim(data):
+        return claim_from_user_gather("p", averager._user_gather(data))
+
+    assert claim(hivemind_gather({"w": 0.0, EXPECT_KEY: ["m"]})) == MemberClaim("p", 0.0, frozenset({"m"}))
     for junk in (b"", b"\xc1", b"\xff" * 7, dumps([1, 2]), dumps([None, 0, "str"]), dumps([None, 0, b"\xc1"]),
                  dumps({"a": 1}), dumps([None, 0, dumps([1, 2, 3])]), None, 12):
-        claim = claim_from_gather_bytes("p", junk, loads)
-        assert claim.expect is None and claim.weight is None, junk
+        assert claim(junk).expect is None and claim(junk).weight is None, junk
 
 
 def test_expect_list_is_deterministic():

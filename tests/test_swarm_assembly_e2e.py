@@ -123,27 +123,23 @@ def test_missing_and_killed_expected_peers_cost_the_window_not_the_round(nodes):
     assert miner.outcome_of(nodes[0].peer_id) == Outcome.SUCCESS
 
 
-def test_a_follower_left_out_by_its_leader_is_told_and_nobody_waits_for_it(nodes):
+def test_a_follower_left_out_by_its_leader_is_told_and_nobody_waits_for_it(nodes, monkeypatch):
     # A leader leaves out a follower whose wait has run out (assembly.lapsed_followers); here
     # the leaders' rule names the third peer outright, to see what happens next: it is told
     # the group was disbanded (no group for it), and the two others average without it, both
-    # SUCCESS, neither blamed for it. The third is a client, so it can never be the leader.
+    # SUCCESS, neither blamed for it. The third is a client, so it can never be the leader (the
+    # rule changed for every averager started here matters for the leaders only).
     from dtrain.swarm.averaging.averager import SwarmAverager
 
     cfg = _cfg(target_group_size=3, min_group_size=2)
     left_out = {str(nodes[2].dht.peer_id)}  # known before the averager processes fork
-
-    class LeavesOut(SwarmAverager):
-        def followers_to_leave_out(self, deadlines, now, request_timeout):
-            return super().followers_to_leave_out(deadlines, now, request_timeout) | left_out
-
-    class Swarm(GradientSwarm):
-        def _new_averager(self, buffers, dht, **kwargs):
-            return LeavesOut(buffers, dht, **kwargs)
+    rule = SwarmAverager.followers_to_leave_out
+    monkeypatch.setattr(SwarmAverager, "followers_to_leave_out",
+                        lambda self, deadlines, now, timeout: rule(self, deadlines, now, timeout) | left_out)
 
     from dataclasses import replace
 
-    swarms = [Swarm(nodes[i].dht, [torch.zeros(NUMEL)], "model-a", cfg) for i in range(2)]
+    swarms = [GradientSwarm(nodes[i].dht, [torch.zeros(NUMEL)], "model-a", cfg) for i in range(2)]
     swarms.append(GradientSwarm(nodes[2].dht, [torch.zeros(NUMEL)], "model-a", replace(cfg, client_mode=True)))
     data = [[torch.full((NUMEL,), v)] for v in (1.0, 3.0, 5.0)]
     before = [d[0].clone() for d in data]

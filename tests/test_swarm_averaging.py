@@ -11,7 +11,6 @@ import torch
 
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm, Interrupted
 from dtrain.swarm.loopback import local_nodes, run_concurrently
-from dtrain.swarm.wire import make_compression
 from dtrain.swarm.records import Outcome, read_records
 from tests.faults import FaultInjection
 from tests.faults import swarm as make_swarm
@@ -233,10 +232,10 @@ def test_the_swarm_sets_the_part_size_of_its_vector(nodes):
 
     # 8 MiB of float32 in two tensors: 256 KiB parts (32 of them), whatever the templates' dtype
     templates = [torch.zeros(2**20, dtype=torch.float16), torch.zeros(2**20)]
-    swarm = GradientSwarm(nodes[0].dht, templates, "model-a", _cfg(2).replace(part_size_bytes=None))
+    swarm = GradientSwarm(nodes[0].dht, templates, "model-a", _cfg(2, compression="none").replace(part_size_bytes=None))
     try:
         assert swarm.config.part_size_bytes == part_size_for(2**23) == 2**18
-        assert len(swarm._part_layout(make_compression("none"))) == 32
+        assert swarm.num_parts == 32
     finally:
         swarm.shutdown()
     # an explicit part size is kept

@@ -22,9 +22,9 @@ from multiprocessing import connection, resource_sharer
 import pytest
 import torch
 
-from dtrain.swarm.averaging.averager import SwarmAverager
+from dtrain.swarm.averaging.averager import SwarmAverager, matchmaking_key
 from dtrain.swarm.command_pipe import CommandPipe
-from dtrain.swarm.hivemind_internals import DHTProcess
+from dtrain.swarm.hivemind_internals import AveragerProcess, DHTProcess
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,8 @@ def test_a_dht_survives_a_request_whose_sender_hung_up(tmp_path):
 
 def test_an_averager_survives_a_request_whose_sender_hung_up(tmp_path):
     dht = DHTProcess(start=True, host_maddrs=LOOP)
-    averager = SwarmAverager([torch.zeros(4)], dht, start=True, prefix="pipe", target_group_size=2)
+    averager = AveragerProcess([torch.zeros(4)], dht, handler=SwarmAverager(), matchmaking_key=matchmaking_key("pipe"),
+                               start=True, prefix="pipe", target_group_size=2)
     try:
         with hanging_up_sender(tmp_path) as address:
             averager._outer_pipe.send(("_get_group_bits", [], dict(future=ReplyPipeOfAGoneSender(address))))

@@ -16,8 +16,7 @@ import torch
 from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
 from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
-from dtrain.sketch import gradient_sketch
-from dtrain.sketch import WORK_SKETCH_K
+from dtrain.sketch import WORK_SKETCH_K, gradient_sketch
 from dtrain.training.work import PageWork, WorkReport, work_nonce
 from tests.faults import FaultInjection
 from tests.faults import swarm as make_swarm
@@ -147,7 +146,7 @@ def test_a_reducer_that_commits_nothing_still_reads_the_claims_ahead_of_the_part
     reports = [honest_report(t, 8) for t in data]
     expected = (data[0][0] + data[1][0] + data[2][0]) / 3
     cfg = _cfg(3, require_commitments=False)
-    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg) for i in range(3)]
+    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg, report_type=WorkReport) for i in range(3)]
     try:
         recs = run_concurrently([
             lambda: swarms[0].run_round(data[0], weight=8, cap=100, work=reports[0], work_nonce=NONCE),
@@ -169,9 +168,9 @@ def test_weight_above_committed_samples_and_missing_commitment_are_refused(nodes
     data = [[torch.randn(2000)] for _ in range(4)]
     reports = [honest_report(t, 8) for t in data]
     # peer 2 claims 16 samples for 8 committed; peer 3 sends no commitment at all
-    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg) for i, cfg in enumerate([_cfg(4)] * 1)]
+    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg, report_type=WorkReport) for i, cfg in enumerate([_cfg(4)] * 1)]
     cfg = swarms[0].config
-    swarms += [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg) for i in (1, 2, 3)]
+    swarms += [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg, report_type=WorkReport) for i in (1, 2, 3)]
     try:
         recs = run_concurrently([
             lambda: swarms[0].run_round(data[0], weight=8, cap=100, work=reports[0], work_nonce=NONCE),
@@ -199,7 +198,7 @@ def test_centered_clip_bounds_an_unchecked_attacker(nodes):
     for rule in ("mean", "centered_clip"):
         data = [[h.clone()] for h in honest] + [[attacker.clone()]]
         cfg = _cfg(4, require_commitments=False, aggregation=rule)
-        swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg) for i in range(4)]
+        swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg, report_type=WorkReport) for i in range(4)]
         try:
             recs = run_concurrently([lambda i=i: swarms[i].run_round(data[i], weight=8, cap=100) for i in range(4)])
         finally:
@@ -240,9 +239,9 @@ def test_a_peer_of_another_epoch_owns_no_share_and_sits_the_round_out(nodes):
     data = [[torch.randn(3000)] for _ in range(3)]
     reports = [honest_report(t, 8) for t in data]
     cfg = _cfg(4)
-    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg) for i in range(3)]
+    swarms = [GradientSwarm(nodes[i].dht, data[i], "model-a", cfg, report_type=WorkReport) for i in range(3)]
     late = [torch.full((3000,), 7.0)]
-    swarms.append(GradientSwarm(nodes[3].dht, late, "model-a", cfg))
+    swarms.append(GradientSwarm(nodes[3].dht, late, "model-a", cfg, report_type=WorkReport))
     stale = work_nonce("commit-test", 2)
     try:
         recs = run_concurrently([

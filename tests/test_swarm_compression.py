@@ -33,8 +33,7 @@ from dtrain.swarm.averaging.contribution import (
 from dtrain.swarm.averaging.norms import NORM_SLACK
 from dtrain.swarm.averaging.norms import within_norm as _within
 from dtrain.swarm.records import Outcome
-from dtrain.sketch import gradient_sketch
-from dtrain.sketch import WORK_SKETCH_K
+from dtrain.sketch import WORK_SKETCH_K, gradient_sketch
 from dtrain.training.work import PageWork, WorkReport, work_nonce
 
 EPS = codecs.BLOCKWISE_ERROR_BOUND
@@ -145,7 +144,7 @@ def _binding(sent, report, compression, part_size: int, nonce: str = NONCE):
     """(binding error, the parsed commitment, the layout, the claims it commits to)."""
     layout = PartLayout.of(sent, compression, part_size)
     claims = compute_claims(sent, layout, nonce, compression)
-    commitment = Commitment.parse(Commitment.of_claims(nonce, report, claims).to_gather())
+    commitment = Commitment.parse(Commitment.of_claims(nonce, report, claims).to_gather(), type(report))
     return binding_error(commitment), commitment, layout, claims
 
 

@@ -6,7 +6,7 @@ suite does at collection, an operator's script may), each new thread's first tor
 child re-applies that count and rebuilds the thread pool torch marked as lost in the fork;
 threads doing it together race and one fails with "Invalid thread pool!". In a round that was
 the 8-bit codec's first part for one reducer, in hivemind's writer task: the reducer heard
-nothing and banned an honest sender (dtrain/swarm/averaging/averager.py, reset_torch_threads_after_fork).
+nothing and banned an honest sender (dtrain/swarm/hivemind_internals/averager.py, reset_torch_threads_after_fork).
 
 The check runs in a fresh interpreter so the torch state it sets up is exactly the one above.
 """
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import os, sys, threading
     import torch
     from hivemind.compression import CompressionInfo
-    from dtrain.swarm.averaging.averager import AVERAGER_TORCH_THREADS, reset_torch_threads_after_fork
+    from dtrain.swarm.hivemind_internals import AVERAGER_TORCH_THREADS, reset_torch_threads_after_fork
     from dtrain.swarm.wire import make_compression
 
     torch.set_num_threads(2)
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
 
     def child():
         if reset:
-            reset_torch_threads_after_fork()  # what SwarmAverager.on_process_start does first
+            reset_torch_threads_after_fork()  # what the averager process does first
             if torch.get_num_threads() != AVERAGER_TORCH_THREADS:
                 print("threads", torch.get_num_threads(), flush=True)
                 os._exit(1)

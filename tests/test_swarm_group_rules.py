@@ -1,4 +1,5 @@
-"""dtrain's group rules as pure functions of gathered data (dtrain/swarm/averaging/group_rules.py).
+"""dtrain's group rules as pure functions of gathered data (dtrain/swarm/averaging/group_rules.py),
+and the round report they end in (report.py).
 
 No peers and no hivemind objects: a group is a list of gathers, as every member receives them.
 """
@@ -13,6 +14,7 @@ import torch
 
 from dtrain.swarm.averaging import group_rules as gr
 from dtrain.swarm.averaging.contribution import OTHER_EPOCH, Commitment
+from dtrain.swarm.averaging.report import Figures, Verdicts, build_report, sit_out_report
 from dtrain.swarm.records import Outcome
 from dtrain.sketch import WORK_SKETCH_K
 from dtrain.training.work import PageWork, WorkReport, work_nonce
@@ -36,6 +38,16 @@ def plan(users, me=0, roles=None):
     return gr.plan_group(ids(len(users)), me, users, roles or ["node"] * len(users))
 
 
+def round_report(p, round_id="r", *, total_size=0, failed_size=0, bytes_sent=0, bytes_received=0, **verdicts):
+    return build_report(p, round_id, Verdicts(**verdicts),
+                        Figures(total_size=total_size, failed_size=failed_size, bytes_sent=bytes_sent,
+                                bytes_received=bytes_received))
+
+
+def outcomes(report):
+    return [x.outcome.value for x in report.peers]
+
+
 # -- model check and caps ----------------------------------------------------------------------
 
 
@@ -46,9 +58,9 @@ def test_a_peer_of_another_model_or_schema_is_aux_and_wrong_model():
     assert p.roles == ["node", "aux", "aux", "aux", "aux", "node"]
     assert p.used == [8.0, 0.0, 0.0, 0.0, 0.0, 8.0]
     assert p.senders == [0, 5]
-    report = gr.round_report(p, round_id="r")
-    assert [x["outcome"] for x in report["peers"]] == ["SUCCESS"] + ["WRONG_MODEL"] * 4 + ["SUCCESS"]
-    assert report["peers"][1]["reason"] == "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
+    report = round_report(p)
+    assert outcomes(report) == ["SUCCESS"] + ["WRONG_MODEL"] * 4 + ["SUCCESS"]
+    assert report.peers[1].reason == "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
 
 
 def test_an_unknown_mode_is_an_error_only_for_a_compatible_peer():
@@ -97,8 +109,8 @@ def test_an_out_of_scale_contribution_is_excluded_against_the_weighted_median():
     assert p.out_of_scale == {2}
     assert p.roles[2] == "aux" and p.used[2] == 0.0
     assert p.roles[3] == "node"
-    peer = gr.round_report(p, round_id="r")["peers"][2]
-    assert peer["outcome"] == "FAIL" and peer["reason"] == "out-of-scale contribution (norm 25)"
+    peer = round_report(p).peers[2]
+    assert peer.outcome == Outcome.FAIL and peer.reason == "out-of-scale contribution (norm 25)"
 
 
 def test_a_missing_norm_is_out_of_scale_and_ratio_zero_disables_the_check():
@@ -143,7 +155,7 @@ def commit(nonce=NONCE, claims=None, **kw):
 
 def verdicts(users, me=0):
     p = plan(users, me)
-    commitments, unbound = gr.check_commitments(users, p.mine, p.compatible, p.claimed)
+    commitments, unbound = gr.check_commitments(users, p.mine, p.compatible, p.claimed, WorkReport)
     gr.apply_commitments(p, commitments, unbound)
     return p, commitments, unbound
 
@@ -177,9 +189,9 @@ def test_commitment_verdicts():
     assert len(commits) == len(p.senders) == 3 and all(c is not None for c in commits)
     # every sender that committed heads its streams with its claims; the others' streams do not
     assert p.senders_with_claims == [True, True, True]
-    report_peers = gr.round_report(p, round_id="r")["peers"]
-    assert [x["outcome"] for x in report_peers] == ["SUCCESS", "SUCCESS"] + ["FAIL"] * 6 + ["SUCCESS", "WRONG_MODEL"]
-    assert report_peers[3]["reason"] == "no work commitment"
+    rep = round_report(p)
+    assert outcomes(rep) == ["SUCCESS", "SUCCESS"] + ["FAIL"] * 6 + ["SUCCESS", "WRONG_MODEL"]
+    assert rep.peers[3].reason == "no work commitment"
 
 
 def test_without_required_commitments_an_uncommitted_peer_is_admitted():
@@ -205,11 +217,11 @@ def test_a_peer_at_another_epoch_than_most_of_its_group_sits_out():
     reason = gr.out_of_step(p)
     assert reason == ("this peer is at another epoch than the group (3 of 3 peers committed under another "
                       "epoch's nonce)")
-    rep = gr.sit_out_report(p, "abcd", reason)
-    assert rep["out_of_step"] == reason and rep["round_id"] == "abcd" and rep["fraction_averaged"] == 0.0
-    assert [x["peer_id"] for x in rep["peers"]] == ["peer1", "peer2", "peer3"]  # not itself
-    assert all(x["outcome"] == "FAIL" and x["weight_used"] == 0.0 for x in rep["peers"])
-    assert set(rep["work_reports"]) == {"peer0", "peer1", "peer2", "peer3"}
+    rep = sit_out_report(p, "abcd", reason)
+    assert rep.out_of_step == reason and rep.round_id == "abcd" and rep.fraction_averaged == 0.0
+    assert [x.peer_id for x in rep.peers] == ["peer1", "peer2", "peer3"]  # not itself
+    assert all(x.outcome == Outcome.FAIL and x.weight_used == 0.0 for x in rep.peers)
+    assert set(rep.work_reports) == {"peer0", "peer1", "peer2", "peer3"}
 
 
 def test_a_minority_at_another_epoch_does_not_make_the_majority_sit_out():
@@ -230,11 +242,11 @@ def test_round_report_outcomes_reasons_and_figures():
     p = plan(users)
     gr.apply_commitments(p, None, {3: "no work commitment"})
     pid = ids(n)
-    rep = gr.round_report(p, round_id="ff", contradicted={pid[4]}, too_large={pid[5]},
-                          rejected={pid[4], pid[5], pid[6]}, banned={pid[4], pid[7]},
-                          failed_reducers={pid[8]: "TimeoutError()", pid[0]: "never: it is us"},
-                          bytes_sent=10, bytes_received=20, total_size=1000, failed_size=250)
-    got = [(x["outcome"], x["reason"]) for x in rep["peers"]]
+    rep = round_report(p, "ff", contradicted={pid[4]}, too_large={pid[5]},
+                       rejected={pid[4], pid[5], pid[6]}, banned={pid[4], pid[7]},
+                       failed_reducers={pid[8]: "TimeoutError()", pid[0]: "never: it is us"},
+                       bytes_sent=10, bytes_received=20, total_size=1000, failed_size=250)
+    got = [(x.outcome.value, x.reason) for x in rep.peers]
     assert got == [
         ("SUCCESS", ""),
         ("WRONG_MODEL", "model fingerprint or tensor schema (shapes, dtypes, part size) differs"),
@@ -246,19 +258,19 @@ def test_round_report_outcomes_reasons_and_figures():
         ("FAIL", "banned as sender (timeout, disconnect or protocol error)"),
         ("FAIL", "did not deliver its averaged part: TimeoutError()"),
     ]
-    assert [x["weight_used"] for x in rep["peers"]] == [8.0] + [0.0] * 8
-    assert rep["total_weight"] == 8.0
-    assert rep["fraction_averaged"] == 0.75
-    assert rep["group"] == pid and rep["round_id"] == "ff"
-    assert (rep["bytes_sent"], rep["bytes_received"]) == (10, 20)
-    assert Outcome(rep["peers"][0]["outcome"]) is Outcome.SUCCESS
+    assert [x.weight_used for x in rep.peers] == [8.0] + [0.0] * 8
+    assert rep.total_weight == 8.0
+    assert rep.fraction_averaged == 0.75
+    assert rep.group == pid and rep.round_id == "ff"
+    assert (rep.bytes_sent, rep.bytes_received) == (10, 20)
+    assert rep.peers[0].outcome is Outcome.SUCCESS
 
 
 def test_an_aux_peer_averaged_nothing():
     p = plan([gather(fp="mine-alone"), gather(fp="other"), gather(fp="other")], me=0)
     p.exclude(0)
     assert not p.receives
-    assert gr.round_report(p, round_id="r", total_size=10)["fraction_averaged"] == 0.0
+    assert round_report(p, total_size=10).fraction_averaged == 0.0
 
 
 def test_gather_and_schema():
@@ -280,15 +292,15 @@ def test_a_member_that_never_started_the_round_is_told_from_one_that_failed_it()
     # reducer served (or timed out): it was in the round and failed it. peer3: started, then banned.
     p = plan([gather()] * 4)
     pid = ids(4)
-    rep = gr.round_report(p, round_id="r", banned={pid[1], pid[2], pid[3]}, never_started={pid[1], pid[2]},
-                          failed_reducers={pid[1]: "AllreduceException('peer1 sent BAD_GROUP_ID')",
-                                           pid[2]: "TimeoutError()"})
-    got = [(x["outcome"], x["reason"]) for x in rep["peers"]]
+    rep = round_report(p, banned={pid[1], pid[2], pid[3]}, never_started={pid[1], pid[2]},
+                       failed_reducers={pid[1]: "AllreduceException('peer1 sent BAD_GROUP_ID')",
+                                        pid[2]: "TimeoutError()"})
+    got = [(x.outcome.value, x.reason) for x in rep.peers]
     assert got[1] == ("NON_PARTICIPATING",
                       "counted into the group after it had left matchmaking: it never started this round")
     assert got[2] == ("FAIL", "banned as sender (timeout, disconnect or protocol error)")
     assert got[3] == ("FAIL", "banned as sender (timeout, disconnect or protocol error)")
-    assert [x["weight_used"] for x in rep["peers"]] == [8.0, 0.0, 0.0, 0.0]
+    assert [x.weight_used for x in rep.peers] == [8.0, 0.0, 0.0, 0.0]
 
 
 # -- accountable reducers: each reducer's rule, and benching ----------------------------------
@@ -317,8 +329,8 @@ def test_a_reducer_named_by_a_majority_is_benched_and_a_minority_cannot_bench_an
     assert p.benched == {3}
     assert p.download_bandwidths([1.0, 1.0, 1.0, 1.0]) == [1.0, 1.0, 1.0, 0.0]
     assert 3 in p.senders and p.used[3] == 8.0  # it still sends, with its weight
-    report = gr.round_report(p, round_id="r")
-    assert report["peers"][3]["outcome"] == "FAIL" and "benched" in report["peers"][3]["reason"]
+    report = round_report(p)
+    assert report.peers[3].outcome == Outcome.FAIL and "benched" in report.peers[3].reason
     # one accuser of three others, or half of them: nobody benched; naming oneself counts nothing
     assert plan([with_ref(["peer1"]), gather(), gather(), gather()]).benched == set()
     assert plan([with_ref(["peer3"]), with_ref(["peer3"]), gather(), gather(), gather()]).benched == set()

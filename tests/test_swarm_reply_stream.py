@@ -1,8 +1,8 @@
 """A sender hangs up on a reducer as soon as it holds every averaged part it expects.
 
 The reducer keeps its end of the stream open after its last reply, and the sender closes
-once that reply is in (dtrain/swarm/hivemind_internals/runner.py, CountingStub and
-ButterflyRunner.rpc_aggregate_part). Closing first on the reducer's side let p2pd drop the
+once that reply is in (dtrain/swarm/hivemind_internals/reply_stream.py, ReplyStream, and
+runner.py, ButterflyRunner.rpc_aggregate_part). Closing first on the reducer's side let p2pd drop the
 last reply now and then, and the sender then kept its local values for that whole share.
 """
 
@@ -15,7 +15,7 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import averaging_pb2
 
-from dtrain.swarm.hivemind_internals import CountingStub
+from dtrain.swarm.hivemind_internals import ButterflyFacts, ReplyStream
 
 
 def _reply(i: int) -> averaging_pb2.AveragingData:
@@ -41,14 +41,15 @@ def _reducer(parts: int, then_wait: bool, closed: list):
 
 
 def _runner():
-    """What CountingStub reads of its runner: byte counts, and no reply preamble (no commitments)."""
-    return types.SimpleNamespace(bytes_received=0, expects_reply_preamble=lambda peer_index: False,
-                                 accept_reply_note=lambda peer_index, part_index, note: None)
+    """What ReplyStream reads of its runner: its facts (byte counts), the notes it keeps, and a
+    reply side that expects no head (no commitments)."""
+    reply = types.SimpleNamespace(expects_head=lambda reducer_index: False)
+    return types.SimpleNamespace(facts=ButterflyFacts(), notes={}, checks=types.SimpleNamespace(reply=reply))
 
 
 def _collect(stub, expected: int, runner) -> list:
     async def go():
-        stream = await CountingStub(stub, runner, expected).rpc_aggregate_part(None)
+        stream = await ReplyStream(stub, runner, expected).rpc_aggregate_part(None)
         return [m async for m in stream]
 
     return asyncio.run(asyncio.wait_for(go(), timeout=30))
@@ -59,7 +60,8 @@ def test_the_sender_closes_after_its_last_expected_part():
     got = _collect(_reducer(5, then_wait=True, closed=closed), 5, runner)
     assert [m.tensor_part == _reply(i).tensor_part for i, m in enumerate(got)] == [True] * 5
     assert closed == [True]  # our end of the stream is closed, not left to the reducer
-    assert runner.bytes_received == sum(m.ByteSize() for m in got)
+    assert runner.facts.bytes_received == sum(m.ByteSize() for m in got)
+    assert len(runner.notes) == 5  # each part's note is kept for its check
 
 
 def test_a_short_reply_stream_still_ends_short():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from dtrain.swarm.averaging import kept
 from dtrain.swarm.averaging import result_check as rc
 from dtrain.swarm.averaging.audit import audit_nonce, audit_round, clear_framed_reducers, draw_seed
 from dtrain.swarm.averaging.contribution import binding_rtol
@@ -32,29 +33,29 @@ SEED = bytes(range(32))
 # -- the rules ------------------------------------------------------------------------------
 
 def test_a_question_and_its_answer_round_trip_and_malformed_questions_are_refused():
-    assert rc.decode_ask(rc.encode_ask(SEED, [0, 3, 7]), num_parts=8) == (rc.ASK_SKETCHES, SEED, [0, 3, 7])
-    assert rc.decode_ask(rc.encode_fetch([1, 2]), num_parts=8) == (rc.ASK_BYTES, None, [1, 2])
+    assert kept.decode_ask(kept.encode_ask(SEED, [0, 3, 7]), num_parts=8) == (kept.ASK_SKETCHES, SEED, [0, 3, 7])
+    assert kept.decode_ask(kept.encode_fetch([1, 2]), num_parts=8) == (kept.ASK_BYTES, None, [1, 2])
     for bad, why in [(b"S" + SEED, "whole u32"), (b"S" + SEED + b"\x00\x00", "whole u32"),
                      (b"S" + SEED[:5], "32-byte seed"), (b"X" + SEED, "sketches \\(S\\) or bytes"),
-                     (rc.encode_ask(SEED, [3, 9]), "below 8"), (rc.encode_ask(SEED, [5, 2]), "ascend"),
-                     (rc.encode_ask(SEED, [4, 4]), "ascend"), (rc.encode_fetch([2, 1]), "ascend")]:
+                     (kept.encode_ask(SEED, [3, 9]), "below 8"), (kept.encode_ask(SEED, [5, 2]), "ascend"),
+                     (kept.encode_ask(SEED, [4, 4]), "ascend"), (kept.encode_fetch([2, 1]), "ascend")]:
         with pytest.raises(ValueError, match=why):
-            rc.decode_ask(bad, num_parts=8)
+            kept.decode_ask(bad, num_parts=8)
     with pytest.raises(ValueError):
-        rc.encode_ask(SEED[:31], [0])
+        kept.encode_ask(SEED[:31], [0])
     with pytest.raises(ValueError):
-        rc.encode_ask(SEED, list(range(rc.MAX_ASK_PARTS + 1)))
+        kept.encode_ask(SEED, list(range(kept.MAX_ASK_PARTS + 1)))
     sketches = np.arange(2 * 64, dtype="<f4").reshape(2, 64)
-    assert np.array_equal(rc.decode_answer(rc.encode_answer(sketches), 2), sketches)
-    assert rc.decode_answer(rc.encode_answer(sketches), 3) is None  # the wrong size: silent
-    assert rc.decode_answer(None, 2) is None
+    assert np.array_equal(kept.decode_answer(kept.encode_answer(sketches), 2), sketches)
+    assert kept.decode_answer(kept.encode_answer(sketches), 3) is None  # the wrong size: silent
+    assert kept.decode_answer(None, 2) is None
     sketches[1, 5] = np.nan
-    assert rc.decode_answer(rc.encode_answer(sketches), 2) is None  # non-finite: silent
+    assert kept.decode_answer(kept.encode_answer(sketches), 2) is None  # non-finite: silent
     wires = [b"abc", b"", b"\x00" * 70]
-    assert rc.decode_wires(rc.encode_wires(wires), 3) == wires
-    assert rc.decode_wires(rc.encode_wires(wires), 2) is None  # trailing bytes
-    assert rc.decode_wires(rc.encode_wires(wires)[:-1], 3) is None  # truncated
-    assert rc.decode_wires(None, 3) is None
+    assert kept.decode_wires(kept.encode_wires(wires), 3) == wires
+    assert kept.decode_wires(kept.encode_wires(wires), 2) is None  # trailing bytes
+    assert kept.decode_wires(kept.encode_wires(wires)[:-1], 3) is None  # truncated
+    assert kept.decode_wires(None, 3) is None
 
 
 def test_the_seed_binds_every_bit_of_every_result_and_where_it_lies():
@@ -141,9 +142,9 @@ def _close(swarms):
 def _audit(swarms, record, result):
     nonce = audit_nonce(draw_seed())
     by_peer = {s.peer_id: s for s in swarms}
-    reports = {p: s.last_sent.sketches(nonce) for p, s in by_peer.items()}
+    reports = {p: s.sent_sketches(s.sent_round, nonce) for p, s in by_peer.items()}
     return audit_round(record.evidence, result, reports, nonce, binding_rtol(record.compression),
-                       lambda peer, part: by_peer[peer].last_sent.wire(part))
+                       lambda peer, part: by_peer[peer].sent_wire(by_peer[peer].sent_round, part))
 
 
 @pytest.mark.slow
@@ -248,28 +249,28 @@ def test_a_sender_that_does_not_answer_blocks_nothing(nodes):
 
 @pytest.mark.slow
 def test_what_a_peer_sent_is_kept_once_in_its_averager_until_its_next_round(nodes):
-    """The neuron's last_sent asks the averager process, which keeps the one copy: its bytes are
-    the ones sent, and once the next round begins the old round is gone (LookupError: the
+    """The swarm asks the averager process, which keeps the one copy of what it sent: its bytes
+    are the ones sent, and once the next round begins the old round is gone (LookupError: the
     miner's round-audit handler answers 404 for it)."""
-    from dtrain.swarm.averaging.audit import SentContribution
-    from dtrain.swarm.averaging.swarm import KeptContribution
+    from dtrain.swarm.averaging.kept import SentContribution
+    from dtrain.swarm.wire import make_compression
 
     swarms, recs, applied, data = _round(nodes, 3)
     try:
-        first = swarms[0].last_sent
-        assert isinstance(first, KeptContribution) and first.round_id == recs[0].round_id
-        mine = SentContribution(data[0], first.layout, first.compression)
-        assert first.wire(1) == mine.wire(1)
-        assert np.array_equal(first.sketches("n1"), mine.sketches("n1"))
+        first = swarms[0].sent_round
+        assert first == recs[0].round_id
+        mine = SentContribution(data[0], swarms[0]._part_layout(), make_compression(swarms[0].config.compression))
+        assert swarms[0].sent_wire(first, 1) == mine.wire(1)
+        assert np.array_equal(swarms[0].sent_sketches(first, "n1"), mine.sketches("n1"))
         with pytest.raises(IndexError):
-            first.wire(len(first.layout))
+            swarms[0].sent_wire(first, swarms[0].num_parts)
         again = [[d[0] + 1.0] for d in data]
         run_concurrently([lambda i=i: swarms[i].run_round(again[i], weight=8, cap=100, work=honest_report(again[i], 8),
                                                           work_nonce=NONCE) for i in range(3)])
         with pytest.raises(LookupError):
-            first.sketches("n1")
-        assert swarms[0].last_sent.round_id != first.round_id
-        assert swarms[0].last_sent.wire(1) == SentContribution([data[0][0] + 1.0], first.layout,
-                                                               first.compression).wire(1)
+            swarms[0].sent_sketches(first, "n1")
+        assert swarms[0].sent_round != first
+        assert swarms[0].sent_wire(swarms[0].sent_round, 1) == SentContribution(
+            [data[0][0] + 1.0], mine.layout, mine.compression).wire(1)
     finally:
         _close(swarms)

@@ -15,14 +15,12 @@ import pytest
 import torch
 
 from dtrain.neurons.adversary import nullspace_altered
-from dtrain.swarm.averaging.audit import (
-    SentContribution, audit_nonce, audit_round, batch_problem, draw_seed,
-)
+from dtrain.swarm.averaging.audit import SenderAudit, audit_nonce, audit_round, batch_problem, draw_seed
 from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol
+from dtrain.swarm.averaging.kept import SentContribution
 from dtrain.swarm.wire import make_compression
 from dtrain.swarm.loopback import local_nodes, run_concurrently
 from dtrain.swarm.records import Outcome
-from dtrain.modes import SentSketches
 from tests.faults import FaultInjection
 from tests.faults import swarm as make_swarm
 from tests.swarm_checks import loopback_config
@@ -68,11 +66,11 @@ def _audit(swarms, record, result, *, lie=None, show=None):
     reports = {}
     for s in swarms:
         i = by_peer[s.peer_id]
-        reports[s.peer_id] = (lie[i](nonce) if lie and i in lie else s.last_sent.sketches(nonce))
+        reports[s.peer_id] = (lie[i](nonce) if lie and i in lie else s.sent_sketches(s.sent_round, nonce))
 
     def fetch(peer, part):
         i = by_peer[peer]
-        wire = swarms[i].last_sent.wire(part)
+        wire = swarms[i].sent_wire(swarms[i].sent_round, part)
         return show[i](part, wire) if show and i in show else wire
 
     return audit_round(record.evidence, result, reports, nonce, binding_rtol(record.compression), fetch)
@@ -159,8 +157,8 @@ def test_a_sender_that_hides_its_change_in_the_null_space_is_caught_by_its_batch
         seed = draw_seed()
         for i, s in enumerate(swarms):
             nonce = audit_nonce(seed)
-            sketches = s.last_sent.sketches(nonce)
-            claim = SentSketches(nonce=nonce, sketches=sketches, confirmed=frozenset(result.confirmed[s.peer_id]),
+            sketches = s.sent_sketches(s.sent_round, nonce)
+            claim = SenderAudit(nonce=nonce, sketches=sketches, confirmed=frozenset(result.confirmed[s.peer_id]),
                                  layout=layout, rtol=binding_rtol(compression))
             problem = batch_problem(data[i], claim)
             if i == 2:
@@ -224,7 +222,8 @@ def test_a_silent_member_is_named_only_when_its_parts_are_in_the_result(nodes):
         for silent, named in ((1, True), (3, False)):
             seed = draw_seed()
             nonce = audit_nonce(seed)
-            reports = {s.peer_id: (None if i == silent else s.last_sent.sketches(nonce)) for i, s in enumerate(swarms)}
+            reports = {s.peer_id: (None if i == silent else s.sent_sketches(s.sent_round, nonce))
+                       for i, s in enumerate(swarms)}
             result = audit_round(r.evidence, applied[0], reports, nonce, binding_rtol("none"),
                                  lambda peer, part: None)
             if named:
@@ -277,7 +276,11 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
     compression = make_compression("8bit")
     layout = PartLayout.of(x, compression, 2048)
     sent = SentContribution(x, layout, compression, round_id="ab12")
-    neuron = types.SimpleNamespace(swarm=types.SimpleNamespace(last_sent=sent))  # what the handler reads
+    # what the handler reads of the swarm: the kept round, its parts, and the answers about it
+    kept = types.SimpleNamespace(sent_round="ab12", num_parts=len(layout),
+                                 sent_sketches=lambda round_id, nonce: sent.sketches(nonce),
+                                 sent_wire=lambda round_id, part: sent.wire(part))
+    neuron = types.SimpleNamespace(swarm=kept)
     unused = functools.partial(pytest.fail, "not this endpoint")
     server = MinerApiServer(
         Handlers(status=unused, train=unused, allreduce=unused, state_slice=unused,
@@ -313,7 +316,7 @@ def test_an_answer_of_the_wrong_shape_or_with_non_finite_values_is_named():
 
     x = [torch.randn(3000)]
     layout = PartLayout.of(x, make_compression("none"), 4096)
-    evidence = RoundEvidence(senders=["a"], layout=layout, compression=make_compression("none"),
+    evidence = RoundEvidence(senders=["a"], layout=layout, compression="none",
                              parts={g: ReducedPart("r", (1.0,), (None,)) for g in range(len(layout))})
     nonce = audit_nonce(draw_seed())
     honest = SentContribution(x, layout, make_compression("none")).sketches(nonce)

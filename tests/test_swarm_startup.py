@@ -15,21 +15,27 @@ import pytest
 import torch
 
 from dtrain.swarm import startup
-from dtrain.swarm.averaging.averager import SwarmAverager
-from dtrain.swarm.hivemind_internals import DHTProcess
+from dtrain.swarm.averaging.averager import SwarmAverager, matchmaking_key
+from dtrain.swarm.hivemind_internals import AveragerProcess, DHTProcess
 from dtrain.swarm.loopback import local_nodes
 
 pytestmark = pytest.mark.slow
 
 
-class _DiesAtStart(SwarmAverager):
+def averager(cls, dht, prefix: str, start: bool = True):
+    """An averager process of class ``cls`` with dtrain's round handler, as a GradientSwarm starts one."""
+    return cls([torch.zeros(4)], dht, handler=SwarmAverager(), matchmaking_key=matchmaking_key(prefix), start=start,
+               prefix=prefix, target_group_size=2)
+
+
+class _DiesAtStart(AveragerProcess):
     def run(self):
         os._exit(7)  # what a crash before hivemind's try block looks like to the parent
 
 
-class _HangsAtStart(SwarmAverager):
+class _HangsAtStart(AveragerProcess):
     def run(self):
-        startup.enable_stack_dumps()  # as SwarmAverager.on_process_start does first
+        startup.enable_stack_dumps()  # as AveragerProcess.run does first
         stuck_before_ready()
 
 
@@ -51,25 +57,25 @@ def node():
 def test_an_averager_that_dies_before_ready_is_an_error_not_a_hang(node):
     began = time.monotonic()
     with pytest.raises(startup.ProcessStartError, match=r"averager process .* exited with code 7 before it was ready"):
-        _DiesAtStart([torch.zeros(4)], node.dht, start=True, prefix="dies", target_group_size=2)
+        averager(_DiesAtStart, node.dht, "dies")
     assert time.monotonic() - began < startup.START_TIMEOUT_S / 2  # noticed, not timed out
 
 
 def test_an_averager_stuck_before_ready_is_dumped_and_stopped(node, capfd):
-    averager = _HangsAtStart([torch.zeros(4)], node.dht, start=False, prefix="hangs", target_group_size=2)
+    hanging = averager(_HangsAtStart, node.dht, "hangs", start=False)
     with pytest.raises(startup.ProcessStartError, match=r"averager process .* was not ready after 3 s and was stopped"):
-        averager.run_in_background(await_ready=True, timeout=3)
-    assert not averager.is_alive()
+        hanging.run_in_background(await_ready=True, timeout=3)
+    assert not hanging.is_alive()
     err = capfd.readouterr().err
     assert "stuck_before_ready" in err  # the child's own stack, written on SIGUSR1
 
 
 def test_a_ready_averager_starts_and_shuts_down(node):
-    averager = SwarmAverager([torch.zeros(4)], node.dht, start=True, prefix="fine", target_group_size=2)
+    fine = averager(AveragerProcess, node.dht, "fine")
     try:
-        assert averager.is_alive()
+        assert fine.is_alive()
     finally:
-        averager.shutdown()
+        fine.shutdown()
 
 
 def test_a_dht_that_dies_before_ready_is_an_error_not_a_hang():

@@ -20,7 +20,7 @@ from dtrain.training.models import create_model
 from dtrain.training.replay import inner_lr_factor, position_inner_lr, replay_steps
 from dtrain.training.trainer import Trainer, TrainerConfig
 from dtrain.training.trajectory import (
-    InnerStepWork, SnapshotCommit, TrajectoryLog, TrajectoryReport, parse_report,
+    InnerStepWork, SnapshotCommit, TrajectoryLog, TrajectoryReport,
 )
 from dtrain.sketch import WORK_SKETCH_K
 from dtrain.training.work import WorkReport, WorkReportError, work_nonce
@@ -96,13 +96,13 @@ def _replay(model, report, stored, first: int, last: int, warmup: int = 0, t0: i
 
 def test_report_round_trips_the_wire_and_keeps_a_snapshot_before_every_stretch(model):
     report, stored = _train(_trainer(model))
-    assert parse_report(report.to_wire()) == report
+    assert TrajectoryReport.from_wire(report.to_wire()) == report
     assert [s.step for s in report.snapshots] == [0, 2, 4]
     assert sorted(stored) == [0, 2, 4]
     assert report.samples == H * 4
     assert [p.counter for p in report.pages] == list(range(H * PAGES_PER_STEP))
     # a per-step report still parses as one
-    assert isinstance(parse_report(WorkReport(epoch=1).to_wire()), WorkReport)
+    assert isinstance(WorkReport.from_wire(WorkReport(epoch=1).to_wire()), WorkReport)
 
 
 def test_contribution_sketch_is_the_pseudo_gradients_sketch(model):
@@ -200,7 +200,7 @@ def test_malformed_trajectories_are_refused_with_the_reason(model, mutate, fragm
     wire = report.to_wire()
     mutate(wire)
     with pytest.raises(WorkReportError, match=fragment):
-        parse_report(wire)
+        TrajectoryReport.from_wire(wire)
 
 
 def test_snapshot_bytes_decode_and_refuse_what_does_not_fit(model):
@@ -299,12 +299,12 @@ def test_a_report_of_the_other_averaging_mode_is_refused_in_the_gather(model):
     claims = np.zeros((3, WORK_SKETCH_K), dtype="<f4")
     diloco = Commitment.of_claims("n", trajectory, claims).to_gather()
     per_step = Commitment.of_claims("n", WorkReport(epoch=EPOCH), claims).to_gather()
-    assert Commitment.parse(diloco, kind=TrajectoryReport).report == trajectory
-    assert Commitment.parse(per_step, kind=WorkReport).report == WorkReport(epoch=EPOCH)
+    assert Commitment.parse(diloco, TrajectoryReport).report == trajectory
+    assert Commitment.parse(per_step, WorkReport).report == WorkReport(epoch=EPOCH)
     with pytest.raises(WorkReportError, match="DiLoCo work report in a swarm of the other averaging mode"):
-        Commitment.parse(diloco, kind=WorkReport)
+        Commitment.parse(diloco, WorkReport)
     with pytest.raises(WorkReportError, match="per-step work report in a swarm of the other averaging mode"):
-        Commitment.parse(per_step, kind=TrajectoryReport)
+        Commitment.parse(per_step, TrajectoryReport)
 
 
 def test_a_trajectory_may_not_name_more_pages_in_all_than_a_report_may(model):
@@ -324,10 +324,10 @@ def test_a_trajectory_may_not_name_more_pages_in_all_than_a_report_may(model):
     wire["every"] = steps  # one snapshot, at step 0: only the page total is wrong
     wire["snap"] = wire["snap"][:1]
     with pytest.raises(WorkReportError, match=f"more than {MAX_REPORT_PAGES} pages"):
-        parse_report(wire)
+        TrajectoryReport.from_wire(wire)
     wire["s"] = wire["s"][:-1]  # at the bound: accepted
     wire["carry"][0] = len(wire["s"])  # the end moments' commitment names the optimizer's step count
-    assert len(parse_report(wire).pages) == MAX_REPORT_PAGES
+    assert len(TrajectoryReport.from_wire(wire).pages) == MAX_REPORT_PAGES
 
 
 # ---------------------------------------------------------------- moments carried across epochs
@@ -345,7 +345,7 @@ def _two_epochs(model, warmup: int = 0):
 def test_an_epoch_started_from_carried_moments_replays_exactly_and_its_start_checks_out(model):
     (a, _), (b, stored) = _two_epochs(model, warmup=3)
     assert a.t0 == 0 and a.carry.step == H and b.t0 == H and b.carry.step == 2 * H
-    assert parse_report(b.to_wire()) == b
+    assert TrajectoryReport.from_wire(b.to_wire()) == b
     # the start moments are the end moments of the epoch before: the step-0 snapshot sketches,
     # under this epoch's nonce, exactly what the previous report carried
     assert (b.snapshots[0].exp_avg, b.snapshots[0].exp_avg_sq) == (a.carry.exp_avg, a.carry.exp_avg_sq)
@@ -398,4 +398,4 @@ def test_malformed_carries_are_refused(model, mutate, fragment):
     wire = report.to_wire()
     mutate(wire)
     with pytest.raises(WorkReportError, match=fragment):
-        parse_report(wire)
+        TrajectoryReport.from_wire(wire)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dtrain.swarm.averaging.contribution import (
-    BINDING_RTOL, Commitment, PartLayout, binding_error, binding_verdict, compute_claims, part_matches_claim,
+    BINDING_RTOL, Commitment, CommitmentError, PartLayout, binding_error, binding_verdict, compute_claims, part_matches_claim,
 )
 from dtrain.swarm.averaging.centered_clip import centered_clip, weighted_mean
 from dtrain.sketch import gradient_sketch, range_sketch
@@ -55,6 +55,28 @@ def test_part_layout_is_hiveminds(compression):
         assert torch.equal(ts[i].reshape(-1)[start:start + length], part)
 
 
+def test_part_layout_splits_the_parts_among_reducers_as_hiveminds_container():
+    """The shares dtrain's checks read (PartLayout.split) are the ones hivemind's container hands
+    each reducer, for load-balanced fractions of every shape: skewed, zero (clients), one peer."""
+    import random
+
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from dtrain.swarm import wire
+
+    rng = random.Random(5)
+    comp = wire.make_compression("8bit")
+    for trial in range(200):
+        ts = [torch.zeros(rng.randint(1, 9000)) for _ in range(rng.randint(1, 4))]
+        fractions = [rng.choice([0, 0, rng.randint(1, 5000)]) for _ in range(rng.randint(1, 9))]
+        if not any(fractions):
+            fractions[rng.randrange(len(fractions))] = 1
+        size = rng.choice([256, 1024, 4096])
+        layout = PartLayout.of(ts, comp, part_size_bytes=size)
+        container = TensorPartContainer(ts, peer_fractions=fractions, compression=comp, part_size_bytes=size)
+        assert layout.split(fractions) == tuple(container.num_parts_by_peer), (trial, fractions)
+
+
 def _report_for(tensors, samples=8, epoch=7):
     sketch = gradient_sketch([t * samples for t in tensors], NONCE, k=WORK_SKETCH_K).tolist()
     return WorkReport(epoch=epoch, pages=(PageWork(page=3, counter=0, samples=samples, loss=4.0, sketch=tuple(sketch)),))
@@ -66,7 +88,7 @@ def _commitment(sent, report, compression="none"):
     comp = wire.make_compression(compression)
     layout = PartLayout.of(sent, comp, 512)
     claims = compute_claims(sent, layout, NONCE, comp)
-    return Commitment.parse(Commitment.of_claims(NONCE, report, claims).to_gather()), layout, claims
+    return Commitment.parse(Commitment.of_claims(NONCE, report, claims).to_gather(), type(report)), layout, claims
 
 
 def test_binding_accepts_the_mean_of_the_pages_and_rejects_everything_else():
@@ -145,12 +167,12 @@ def test_malformed_commitments_name_the_problem():
     ts = _tensors()
     good, layout, _ = _commitment(ts, _report_for(ts))
     wire = good.to_gather()
-    with pytest.raises(WorkReportError, match="claims root must be 32 bytes"):
-        Commitment.parse({**wire, "root": b"\0" * 12})
-    with pytest.raises(WorkReportError, match="claims total must be"):
-        Commitment.parse({**wire, "total": b"\0" * 12})
-    with pytest.raises(WorkReportError, match="non-finite"):
-        Commitment.parse({**wire, "total": np.full(WORK_SKETCH_K, np.nan, "<f8").tobytes()})
+    with pytest.raises(CommitmentError, match="claims root must be 32 bytes"):
+        Commitment.parse({**wire, "root": b"\0" * 12}, WorkReport)
+    with pytest.raises(CommitmentError, match="claims total must be"):
+        Commitment.parse({**wire, "total": b"\0" * 12}, WorkReport)
+    with pytest.raises(CommitmentError, match="non-finite"):
+        Commitment.parse({**wire, "total": np.full(WORK_SKETCH_K, np.nan, "<f8").tobytes()}, WorkReport)
     work = wire["work"]
     for broken, match in [({"e": 1}, "page list"), ({"e": 1, "p": [[1, 0, 0, 1.0, b""]]}, "samples >= 1"),
                           ({"e": 1, "p": [[1, 0, 1, float("nan"), b""]]}, "finite"),

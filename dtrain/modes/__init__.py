@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 from dtrain.config import Config
 from dtrain.modes.base import (
-    AuditRequest, Contribution, Mode, ModeSettings, NoSnapshots, PageTrained, Progress, SentSketches,
+    AuditRequest, Contribution, Mode, ModeSettings, NoSnapshots, PageTrained, Progress,
 )
 from dtrain.modes.diloco import DiLoCo
 from dtrain.modes.per_step import PerStep
@@ -46,7 +46,6 @@ def build_mode(cfg: Config, model, device: str, reader, fused: bool | None = Non
 __all__ = [
     "MODES",
     "AuditRequest",
-    "SentSketches",
     "Contribution",
     "DiLoCo",
     "Mode",

@@ -124,20 +124,8 @@ class AuditRequest:
     uid: int
     report: Any
     read_snapshot: SnapshotReader | None = None  # DiLoCo replays download a snapshot through it
-    # what the round's secret-seed audit confirmed the miner sent (dtrain.swarm.averaging.audit)
-    sent: SentSketches | None = None
-
-
-@dataclass(frozen=True)
-class SentSketches:
-    """A miner's sketches of what it sent, under the round audit's secret nonce, and the parts
-    whose sketches the audit confirmed (against a result that adds up, or the bytes)."""
-
-    nonce: str
-    sketches: Any  # numpy float32 [num_parts, k]
-    confirmed: frozenset[int]
-    layout: Any  # dtrain.swarm.averaging.contribution.PartLayout
-    rtol: float  # the wire codec's tolerance (contribution.binding_rtol)
+    # the round audit of what the miner sent (dtrain.swarm.averaging.audit.SenderAudit)
+    sent: Any = None
 
 
 class NoSnapshots:
@@ -227,6 +215,11 @@ class Mode(ABC):
     @abstractmethod
     def empty_report(self, epoch: int):
         """The work report of a peer that brings no work (a validator, weight 0)."""
+
+    @property
+    def report_type(self) -> type:
+        """The class of this mode's work reports: the swarm parses its group's commitments with it."""
+        return type(self.empty_report(0))
 
     @abstractmethod
     def audit(self, requests: Sequence[AuditRequest], *, epoch: int, rng: random.Random) -> list:

@@ -302,36 +302,26 @@ class _SandbaggingDiLoCo(DiLoCo):
         return Contribution([t * H for t in honest.tensors], float(min(report.samples, weight_cap)), report)
 
 
-def _altering_swarm(alter):
-    """A GradientSwarm whose reducer returns ``alter(averaged part)`` to every other member, with
+def _altering_reply(alter):
+    """Butterfly mechanisms whose reply returns ``alter(averaged part)`` to every other member, with
     the true account (its own copy of its share stays the true combination)."""
-    from dtrain.swarm.averaging import GradientSwarm
-    from dtrain.swarm.averaging.averager import SwarmAverager
-    from dtrain.swarm.averaging.runner import CheckedRunner
+    from dtrain.swarm.averaging.mechanisms import Mechanisms
+    from dtrain.swarm.averaging.reply import ReducerReply
 
-    class AlteringRunner(CheckedRunner):
-        def serialized_average(self, part_index, averaged, compression):
-            # the runner and the part's index in our share: where the part lies and its nonce
-            altered = alter(averaged, runner=self, part_index=part_index)
-            return super().serialized_average(part_index, altered, compression)
+    class AlteringReply(ReducerReply):
+        def serialized(self, part_index, averaged, compression):
+            return super().serialized(part_index, alter(averaged, plan=self.plan, part_index=part_index), compression)
 
-    class AlteringAverager(SwarmAverager):
-        runner_class = AlteringRunner
-
-    class AlteringSwarm(GradientSwarm):
-        def _new_averager(self, buffers, dht, **kwargs):
-            return AlteringAverager(buffers, dht, **kwargs)
-
-    return AlteringSwarm
+    return Mechanisms(reply=AlteringReply)
 
 
-def _nullspace_reduce(averaged, *, runner, part_index):
-    """``averaged`` reflected through its public sketch's null space, for the reducer runner's
-    part ``part_index`` of its share (unchanged in a round without commitments: no layout)."""
-    if runner.layout is None:
+def _nullspace_reduce(averaged, *, plan, part_index):
+    """``averaged`` reflected through its public sketch's null space, for part ``part_index`` of
+    the reducer's share (unchanged in a round without commitments)."""
+    if plan.rules.commitments is None:
         return averaged
-    param_index, start, _ = runner.layout.parts[runner.first_part + part_index]
-    return nullspace_reduced(averaged, param_index, start, runner.claims_nonce)
+    param_index, start, _ = plan.layout.parts[plan.share_of(plan.me)[0] + part_index]
+    return nullspace_reduced(averaged, param_index, start, plan.rules.claims_nonce)
 
 
 class NegatingReducer(AdversarialMiner):
@@ -339,8 +329,8 @@ class NegatingReducer(AdversarialMiner):
 
     kind = "negating-reducer"
 
-    def _swarm_class(self):
-        return _altering_swarm(lambda averaged, **_: -averaged)
+    def _mechanisms(self):
+        return _altering_reply(lambda averaged, **_: -averaged)
 
 
 class ScalingReducer(AdversarialMiner):
@@ -348,8 +338,8 @@ class ScalingReducer(AdversarialMiner):
 
     kind = "scaling-reducer"
 
-    def _swarm_class(self):
-        return _altering_swarm(lambda averaged, **_: averaged * REDUCER_SCALE)
+    def _mechanisms(self):
+        return _altering_reply(lambda averaged, **_: averaged * REDUCER_SCALE)
 
 
 class NullspaceReducer(AdversarialMiner):
@@ -358,8 +348,8 @@ class NullspaceReducer(AdversarialMiner):
 
     kind = "nullspace-reducer"
 
-    def _swarm_class(self):
-        return _altering_swarm(_nullspace_reduce)
+    def _mechanisms(self):
+        return _altering_reply(_nullspace_reduce)
 
 
 class WrongPages(AdversarialMiner):
@@ -455,8 +445,7 @@ def nullspace_reduced(averaged, param_index: int, start: int, nonce: str, scale:
 
 
 def _null_component(values, param_index: int, start: int, nonce: str):
-    from dtrain.sketch import project_out_sketch
-    from dtrain.sketch import WORK_SKETCH_K
+    from dtrain.sketch import WORK_SKETCH_K, project_out_sketch
 
     # the claims' sketch width: the projection must be of the very sketch the checks compute
     return project_out_sketch(values, param_index, start, nonce, k=WORK_SKETCH_K)

@@ -162,17 +162,18 @@ class NeuronBase:
 
     # ------------------------------------------------------------------ swarm
 
-    def _swarm_class(self):
-        """The GradientSwarm class this neuron averages with (adversaries substitute their own)."""
-        from dtrain.swarm.averaging import GradientSwarm
+    def _mechanisms(self):
+        """The classes its rounds are built from (a cheating reducer replaces one)."""
+        from dtrain.swarm.averaging.mechanisms import Mechanisms
 
-        return GradientSwarm
+        return Mechanisms()
 
     def _start_swarm(self, commitments: dict, *, listen_on: list[str] | None = None) -> None:
         """Start the DHT (and p2pd) and the averager; ``listen_on`` replaces the configured
         listen addresses (a restarted node keeps its port: peers know it by that address)."""
         from dtrain.neurons import runtime
         from dtrain.neurons.discovery import peer_maddrs
+        from dtrain.swarm.averaging import GradientSwarm
         from dtrain.swarm.node import SwarmNode
         from dtrain.swarm.startup import ProcessStartError
 
@@ -183,13 +184,14 @@ class NeuronBase:
         try:
             self.node = SwarmNode(node_config).start()
             self._check_announced()
-            self.swarm = self._swarm_class()(
+            self.swarm = GradientSwarm(
                 # Matching on the swarm fingerprint (model + swarm-wide settings) makes a peer with
                 # other settings WRONG_MODEL instead of silently averaging out-of-step gradients.
                 self.node.dht, [p.detach() for p in self.trainer.params], self.bench.swarm_fingerprint,
                 runtime.averaging_config(self.cfg, self.dir / "rounds.jsonl"),
                 # Peers that fall behind download parameters, optimizer moments and counters from us.
                 state_provider=self._shared_state, mode=self.bench.mode.name,
+                report_type=self.bench.mode.report_type, mechanisms=self._mechanisms(),
             )
         except BaseException as exc:
             if getattr(self, "node", None) is not None:  # no swarm yet: teardown would leave p2pd running

@@ -415,16 +415,17 @@ class Miner(NeuronBase):
         from dtrain.api.server import HandlerError
         from dtrain.swarm.averaging.audit import audit_nonce
 
-        sent = getattr(self.swarm, "last_sent", None)
-        if sent is None or not sent.round_id or sent.round_id != request.group:
+        swarm = self.swarm
+        if swarm is None or not swarm.sent_round or swarm.sent_round != request.group:
             raise HandlerError(404, f"no committed round {request.group} kept here (only the last round is)")
-        parts = len(sent.layout)
+        parts = swarm.num_parts
         if request.part is not None and request.part >= parts:
             raise HandlerError(422, f"field 'part' must be below {parts}")
         try:
             if request.part is not None:
-                return RoundAuditResponse(parts=parts, wire=base64.b64encode(sent.wire(request.part)).decode())
-            sketches = sent.sketches(audit_nonce(bytes.fromhex(request.seed)))
+                return RoundAuditResponse(parts=parts, wire=base64.b64encode(
+                    swarm.sent_wire(request.group, request.part)).decode())
+            sketches = swarm.sent_sketches(request.group, audit_nonce(bytes.fromhex(request.seed)))
         except LookupError as exc:  # the averager no longer keeps it (its next round began)
             raise HandlerError(404, f"no committed round {request.group} kept here: {exc}") from None
         return RoundAuditResponse(parts=parts, sketches=base64.b64encode(sketches.tobytes()).decode())

@@ -64,7 +64,7 @@ class Probe:
     allreduce_error: str = ""
     work: object | None = None  # its WorkVerdict (dtrain.validation.verification), after the audit
     round_audit: str = ""  # why it failed the round's secret-seed audit ("" when it did not)
-    sent: object | None = None  # modes.SentSketches: what that audit confirmed it sent
+    sent: object | None = None  # its SenderAudit (dtrain.swarm.averaging.audit): what that audit confirmed it sent
     outcome: str = ""
 
     @classmethod
@@ -298,22 +298,17 @@ def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=
     every part was sent and every result returned; ask every miner of the group for its parts'
     sketches under it; check every part we applied against its reducer's account; settle what
     does not add up with the parts' committed bytes. Sets ``round_audit`` on the miners at fault
-    and ``sent`` (what the audit confirmed) on the others, for the mode's batch audit. Returns
-    the AuditResult (None when the round left no evidence: no group, or no commitments).
-    The parts our result check refused during the round are settled too (under the seed they
-    failed under), and a reducer refused for a sender's lie gets SUCCESS back in ``record``.
+    and ``sent`` (its SenderAudit) on the others, for the mode's batch audit. Returns the
+    AuditResult (None when the round left no evidence: no group, or no commitments). The parts
+    our result check refused during the round are settled too, and a reducer refused for a
+    sender's lie gets SUCCESS back in ``record``.
 
     ``others``: peer id -> (api, hotkey) of miners we did not probe (other validators' picks);
     those in the group are asked too, so the parts they are in can be checked, and the ones at
     fault are in the result (we tell the miners to bench them) though we score only our probes."""
-    import base64
-
-    import numpy as np
-
-    from dtrain.api.client import ApiError
-    from dtrain.api.messages import RoundAuditRequest
-    from dtrain.modes import SentSketches
-    from dtrain.swarm.averaging.audit import audit_nonce, audit_round, clear_framed_reducers, draw_seed
+    from dtrain.swarm.averaging.audit import (
+        SenderAudit, audit_nonce, audit_round, clear_framed_reducers, draw_seed,
+    )
     from dtrain.swarm.averaging.contribution import binding_rtol
 
     evidence = getattr(record, "evidence", None)
@@ -326,58 +321,85 @@ def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=
     where = {peer: (p.api, p.hotkey) for peer, p in members.items()}
     where.update({peer: tuple(at) for peer, at in (others or {}).items()
                   if peer in evidence.senders and peer not in probed and peer != swarm.peer_id})
-    reports: dict = {}
-
-    def ask(at):
-        api, hotkey = at
-        try:
-            answer = client.round_audit(api, hotkey, RoundAuditRequest(group=record.round_id, seed=seed.hex()),
-                                        timeout=timeout_s)
-            data = base64.b64decode(answer.sketches or "", validate=True)
-        except (ApiError, ValueError):
-            return None
-        if len(data) != answer.parts * 4 * 64:
-            return np.zeros((answer.parts, 0), dtype="<f4")  # the wrong size: audit_round names it
-        return np.frombuffer(data, dtype="<f4").reshape(answer.parts, 64)
-
-    if where:
-        with ThreadPoolExecutor(max_workers=min(16, len(where))) as pool:
-            for peer, sketches in zip(where, pool.map(ask, where.values())):
-                reports[peer] = sketches
-    own = getattr(swarm, "last_sent", None)
-    if own is not None and own.round_id == record.round_id:
-        try:
-            reports[swarm.peer_id] = own.sketches(nonce)
-        except LookupError:
-            reports[swarm.peer_id] = None
-
-    def fetch(peer: str, part: int):
-        if peer == swarm.peer_id:
-            try:
-                return own.wire(part) if own is not None else None
-            except (LookupError, IndexError):
-                return None
-        if peer not in where:
-            return None
-        api, hotkey = where[peer]
-        try:
-            answer = client.round_audit(api, hotkey, RoundAuditRequest(group=record.round_id, seed=seed.hex(),
-                                                                      part=part), timeout=timeout_s)
-            return base64.b64decode(answer.wire or "", validate=True)
-        except (ApiError, ValueError):
-            return None
-
+    asker = _AuditAsker(client, swarm, record.round_id, seed, where, timeout_s)
+    reports = asker.sketches_of_all(nonce)
     rtol = binding_rtol(record.compression)
-    result = audit_round(evidence, averaged, reports, nonce, rtol, fetch)
+    result = audit_round(evidence, averaged, reports, nonce, rtol, asker.wire)
     # a reducer our result check refused because a sender lied about its sketch is not at fault
     clear_framed_reducers(record, evidence, result)
     for peer, p in members.items():
         if peer in result.problems:
             p.round_audit = "round audit: " + result.problems[peer]
         elif reports.get(peer) is not None:
-            p.sent = SentSketches(nonce=nonce, sketches=reports[peer], confirmed=frozenset(result.confirmed.get(peer, ())),
-                                  layout=evidence.layout, rtol=rtol)
+            p.sent = SenderAudit(nonce=nonce, sketches=reports[peer], layout=evidence.layout, rtol=rtol,
+                                 confirmed=frozenset(result.confirmed.get(peer, ())))
     return result
+
+
+class _AuditAsker:
+    """The round audit's questions: to each miner at ``where`` (peer id -> (api, hotkey)) over its
+    signed API, and to our own swarm for what we sent."""
+
+    def __init__(self, client, swarm, round_id: str, seed: bytes, where: dict, timeout_s: float):
+        self.client, self.swarm, self.round_id = client, swarm, round_id
+        self.seed, self.where, self.timeout_s = seed, where, timeout_s
+
+    def sketches_of_all(self, nonce: str) -> dict:
+        """Peer id -> its sketches [num_parts, k] under the audit's seed (None: it did not answer)."""
+        reports: dict = {}
+        if self.where:
+            with ThreadPoolExecutor(max_workers=min(16, len(self.where))) as pool:
+                for peer, sketches in zip(self.where, pool.map(self._sketches_of, self.where.values())):
+                    reports[peer] = sketches
+        swarm = self.swarm
+        if swarm.sent_round == self.round_id:
+            try:
+                reports[swarm.peer_id] = swarm.sent_sketches(self.round_id, nonce)
+            except LookupError:
+                reports[swarm.peer_id] = None
+        return reports
+
+    def _sketches_of(self, at):
+        import base64
+
+        import numpy as np
+
+        from dtrain.api.client import ApiError
+        from dtrain.api.messages import RoundAuditRequest
+        from dtrain.sketch import WORK_SKETCH_K
+
+        api, hotkey = at
+        try:
+            answer = self.client.round_audit(api, hotkey, RoundAuditRequest(group=self.round_id, seed=self.seed.hex()),
+                                             timeout=self.timeout_s)
+            data = base64.b64decode(answer.sketches or "", validate=True)
+        except (ApiError, ValueError):
+            return None
+        if len(data) != answer.parts * 4 * WORK_SKETCH_K:
+            return np.zeros((answer.parts, 0), dtype="<f4")  # the wrong size: audit_round names it
+        return np.frombuffer(data, dtype="<f4").reshape(answer.parts, WORK_SKETCH_K)
+
+    def wire(self, peer: str, part: int):
+        """The wire bytes of ``peer``'s part ``part`` (None: it did not show them)."""
+        import base64
+
+        from dtrain.api.client import ApiError
+        from dtrain.api.messages import RoundAuditRequest
+
+        if peer == self.swarm.peer_id:
+            try:
+                return self.swarm.sent_wire(self.round_id, part)
+            except (LookupError, IndexError):
+                return None
+        if peer not in self.where:
+            return None
+        api, hotkey = self.where[peer]
+        try:
+            answer = self.client.round_audit(api, hotkey, RoundAuditRequest(group=self.round_id, seed=self.seed.hex(),
+                                                                           part=part), timeout=self.timeout_s)
+            return base64.b64decode(answer.wire or "", validate=True)
+        except (ApiError, ValueError):
+            return None
 
 
 def audit(client, mode, probes: list[Probe], record, epoch: int) -> None:

@@ -48,6 +48,7 @@ from dtrain.neurons import validation_round as phases
 from dtrain.neurons.base import CatchUpTarget, NeuronBase
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.neurons.validation_round import Probe
+from dtrain.swarm.averaging.group_rules import BenchList
 from dtrain.swarm.deadlines import allreduce_start, next_round_start, round_deadline_s
 from dtrain.telemetry import MinerRow, Telemetry
 
@@ -77,9 +78,9 @@ class Validator(NeuronBase):
         # Peer ids of the other validators met in our last round's group: named with the miners,
         # so the group forms once they are in too (docs/protocol.md, "Several validators").
         self._fellow_validators: set[str] = set()
-        # peer id -> rounds left that we tell the miners it failed our round audit (they then
+        # peers we tell the miners failed our round audit, each for a number of rounds (they then
         # vote to bench it as a reducer; docs/protocol.md, "Round audit"); in memory only
-        self._audit_refused: dict[str, int] = {}
+        self._audit_refused = BenchList()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -221,9 +222,9 @@ class Validator(NeuronBase):
         miners = {n.hotkey for n in neurons if not n.validator_permit}
         others = {c.peer_id: (c.api, hotkey) for hotkey, c in commitments.items() if hotkey in miners}
         found = phases.round_audit(self.client, self.swarm, probes, record, averaged, others=others)
-        self._audit_refused = {p: n - 1 for p, n in self._audit_refused.items() if n > 1}
+        self._audit_refused.tick()
         for peer in (found.problems if found is not None else ()):
-            self._audit_refused[peer] = PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS
+            self._audit_refused.name([peer], PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS)
         phases.audit(self.client, self.bench.mode, probes, record, self.epoch)
         audit_s = time.perf_counter() - t0
         self.state.probation = phases.update_probation(probes, self.state.probation, round_no)
@@ -277,7 +278,7 @@ class Validator(NeuronBase):
                                            digest=self._digest, weight_cap=self.bench.mode.weight_cap,
                                            deadline_s=round_deadline_s(self.cfg.allreduce),
                                            probation=self.state.probation,
-                                           refused=tuple(sorted(self._audit_refused, key=lambda p: -self._audit_refused[p])))
+                                           refused=tuple(self._audit_refused.named()))
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "miners": len(probes)})
         record, averaged = phases.allreduce(self.client, self.swarm, probes, request, zeros=self.zeros,
                                             fellows=self._fellow_validators,

@@ -1,23 +1,9 @@
 """The command pipe of hivemind's DHT and averager processes, made safe to read.
 
-Each of those processes serves requests that its parent (and, for the DHT, every averager
-forked from that parent) writes into one pipe. hivemind's loop reads them with ``recv()`` and
-survives only OSError, ConnectionError and RuntimeError. Two things break it:
-
-- **A request whose sender went away.** A request carries an MPFuture, and the future carries
-  the sender's reply pipe. Unpickling it fetches that descriptor from the sender's process
-  through multiprocessing's resource sharer, a socket handshake. When the sender exits in
-  the middle (an averager shut down right after a DHT store, as a neuron does when it
-  stops mid-round), the handshake ends with EOFError. That ended the DHT's loop, and the DHT
-  process with it; every later request to it, including each new averager's start on that
-  node, then waited forever. It is not an error of the process reading the pipe: the
-  request is dropped (its sender no longer wants the answer), and the loop goes on.
-- **A message read in pieces.** hivemind polls the pipe from its event loop, which makes the
-  descriptor non-blocking, and calls ``recv()`` as soon as *some* bytes are readable. A
-  message larger than what one write delivers at once (an averager step whose gather carries
-  a work commitment: tens of KB) then fails half-read with EAGAIN and the stream loses its
-  framing. Reading in blocking mode once data is there always gets the whole message: the
-  sender writes it in one go.
+Two rules hivemind's own reading breaks (docs/swarm.md, "The DHT and averager processes"): a
+request whose sender went away (its reply pipe can no longer be unpickled) is dropped, never the
+end of the process's loop; and a message is read whole, in blocking mode once data is there,
+since a large one (a step with a work commitment) arrives in several writes.
 """
 
 from __future__ import annotations

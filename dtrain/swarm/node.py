@@ -128,6 +128,16 @@ async def _ping_peer_ids(peer_ids: Sequence[str], timeout: float, _dht, node) ->
     return dict(zip(peer_ids, results))
 
 
+def reachable(dht, peer_ids: Sequence[str], timeout_s: float = 3.0) -> dict[str, bool]:
+    """Which of ``peer_ids`` answer a DHT ping from ``dht`` within ``timeout_s`` (all False when the
+    DHT process cannot ask: a dead one never answers, so the wait is bounded)."""
+    try:
+        future = dht.run_coroutine(functools.partial(_ping_peer_ids, list(peer_ids), timeout_s), return_future=True)
+        return future.result(timeout=timeout_s + 5.0)
+    except Exception:
+        return {p: False for p in peer_ids}
+
+
 class SwarmNode:
     """A running hivemind DHT with a persistent identity. Use as a context manager or call shutdown()."""
 

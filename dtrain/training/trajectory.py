@@ -38,10 +38,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from dtrain.sketch import WORK_SKETCH_K
+from dtrain.training.work import MAX_REPORT_PAGES, OTHER_MODE, WorkReportError, work_nonce
 
-from dtrain.training.work import MAX_REPORT_PAGES, WorkReport, WorkReportError, work_nonce
-
-TRAJECTORY_MODE = "diloco"
+TRAJECTORY_MODE = "diloco"  # the report's kind, its "m" field (a per-step report has none)
 # A step names at most this many pages: a local batch is a handful of pages; the bound keeps
 # a hostile gather cheap to parse.
 MAX_STEP_PAGES = 4096
@@ -146,6 +145,8 @@ class TrajectoryReport:
 
     @classmethod
     def from_wire(cls, data: object, k: int = WORK_SKETCH_K) -> "TrajectoryReport":
+        if isinstance(data, dict) and "m" not in data:
+            raise WorkReportError(OTHER_MODE.format(kind="per-step"))
         if not isinstance(data, dict) or data.get("m") != TRAJECTORY_MODE:
             raise WorkReportError("not a DiLoCo trajectory report")
         epoch, every, steps_in, snaps_in = data.get("e"), data.get("every"), data.get("s"), data.get("snap")
@@ -217,13 +218,6 @@ class TrajectoryReport:
 class _Page:
     page: int
     counter: int
-
-
-def parse_report(data: object, k: int = WORK_SKETCH_K):
-    """A gather's work report: a per-step WorkReport, or a DiLoCo TrajectoryReport."""
-    if isinstance(data, dict) and "m" in data:
-        return TrajectoryReport.from_wire(data, k=k)
-    return WorkReport.from_wire(data, k=k)
 
 
 class TrajectoryLog:

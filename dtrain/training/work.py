@@ -33,6 +33,10 @@ class WorkReportError(ValueError):
     """A work report that cannot be parsed or is inconsistent."""
 
 
+# Why a report of the other averaging mode's kind is refused (its kind is the wire's "m" field).
+OTHER_MODE = "{kind} work report in a swarm of the other averaging mode"
+
+
 def work_nonce(run_id: str, epoch: int) -> str:
     """The public sketch seed of one epoch's work (the same for every peer of the run)."""
     return f"{WORK_VERSION}:{run_id}:{int(epoch)}"
@@ -78,6 +82,8 @@ class WorkReport:
 
     @classmethod
     def from_wire(cls, data: object, k: int = WORK_SKETCH_K) -> "WorkReport":
+        if isinstance(data, dict) and "m" in data:
+            raise WorkReportError(OTHER_MODE.format(kind="DiLoCo"))
         if not isinstance(data, dict) or not isinstance(data.get("e"), int) or not isinstance(data.get("p"), list):
             raise WorkReportError("work report must be a map with an integer epoch 'e' and a page list 'p'")
         if len(data["p"]) > MAX_REPORT_PAGES:

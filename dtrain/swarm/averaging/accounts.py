@@ -1,23 +1,11 @@
 """Accountable reducers: what a reducer states about each part it returns, and the receivers' check.
 
-A reducer returns, for every part of its share, a combination of the senders' parts. With each
-averaged part it sends its *account* (:class:`Account`): the coefficients of that combination and
-CenteredClip's radius. Ahead of its replies it forwards every sender's claims for its share, as
-they proved out against the senders' committed roots (runner.py). A receiver then checks:
-
-* **the part against the claims**: sketches are linear, so ``range_sketch(sum_i c_i x_i)`` must
-  be ``sum_i c_i claim_i``, up to the wire codec's error on the result;
-* **the coefficients against the rule** the reducer runs, with the weights its own gather gives
-  each sender (group_rules.reducer_rules): a weighted mean has ``c_i`` proportional to ``w_i``;
-  CenteredClip has ``c_i`` proportional to ``w_i min(1, tau / |x_i - r|)``, which a receiver
-  can bound for its *own* part (it knows ``x_i`` and ``r``), and its ``tau`` has a floor that
-  the senders' sketches prove (``tau_floor``);
-* **its own part is in**: a receiver's reply for part p comes only after the reducer took its
-  part p, so a sender with weight whose coefficient is 0 (or below its bound) was dropped.
-
-So every alteration of a result that the public-seed claims can see, and every dropped or
-down-weighted sender (by that sender), is caught. What is left, a change crafted into the null
-space of the public sketch, needs a seed fixed after the round (docs/protocol.md).
+With each averaged part a reducer sends its *account* (:class:`Account`): the coefficients of
+the combination and CenteredClip's radius. A receiver checks the part against the senders'
+forwarded claims (sketches are linear), the coefficients against the reducer's own rule, and
+that its own part is in (:func:`account_problem`, :func:`own_part_problem`). What is left, a
+change in the public sketch's null space, is the result check's (result_check.py).
+docs/protocol.md, "Accountable reducers".
 """
 
 from __future__ import annotations
@@ -66,15 +54,10 @@ class Account:
 # An account's coefficients are float64 ratios of the weights: they sum to 1 far closer than this.
 ACCOUNT_SUM_TOL = 1e-9
 
-# CenteredClip's radius is the lower median of the weighted senders' distances from the
-# coordinate-wise median start v0, which a receiver cannot see. What it can bound from the senders'
-# sketches alone: at least q = floor((n + 1) / 2) senders lie within tau of v0, so each of them has
-# q senders (itself included) within 2 tau, and tau >= min_i D_i / 2 with D_i the q-th smallest
-# distance from sender i (``tau_floor``). The sketches estimate distances within about 10 % (k =
-# 64), and 2x off has odds far below 1e-20, so a stated radius must be at least TAU_FLOOR x
-# min_i D^_i. In an honest cluster the rule's radius is 2.3-3.3x that floor (3 to 8 senders,
-# tests/test_swarm_accounts.py): a reducer can shrink it about threefold, and a receiver's own
-# check (below) then holds it to about a third of its fair weight at worst.
+# A stated clip radius must be at least TAU_FLOOR x min_i D_i, D_i the q-th smallest sketched
+# distance from sender i to the senders (q = floor((n + 1) / 2)): what the senders' sketches
+# prove of CenteredClip's radius, with room for the sketch's error (docs/protocol.md,
+# "Accountable reducers"; tests/test_swarm_accounts.py measures honest radii at 2.3-3.3x it).
 TAU_FLOOR = 0.25
 # Float slack of the ratio and bound checks (the coefficients are float64 ratios of weights).
 RULE_RTOL = 1e-6

@@ -1,48 +1,19 @@
 """When a matchmaking leader may form its group before its window ends.
 
-hivemind's leader forms its group when it is full (``target_group_size`` members) or when
-its declared expiration (``min_matchmaking_time`` after it started looking) arrives. dtrain's
-groups are never "full": the target is an upper bound, and the real members are the miners
-a validator asked to join plus the validators themselves. Waiting for the window made a
-round on loopback cost ~20 times its all-reduce.
-
-A validator therefore names the peers it expects (the miners it queried) in its gather,
-under :data:`EXPECT_KEY`. The leader forms the group as soon as everyone named is a member
-(:func:`ready_to_assemble`); a named peer that never joins (dead, declining, in another
-group) leaves the leader on hivemind's own timeout path, which forms the group at the
-expiration without it, exactly as before.
-
-Why a forged list cannot hurt (any peer can put anything in its gather):
-
-* Lists are *united*: every well-formed list of every member, miner or not, must be fully
-  present. Adding names only delays the group, at worst to the expiration (the old
-  behaviour); a hostile member cannot remove an honest validator's names.
-* Only a member that brings no weight (``w == 0``: a validator) with a non-empty list can
-  *start* an early formation. A weighted miner's list constrains but never triggers, so a
-  miner cannot hurry its own group past the validator that would witness it. A hostile
-  peer that gives up its weight to claim ``w == 0`` and names only present peers could
-  form a group early without a validator that has not joined yet; it gains nothing hivemind
-  does not already give it: any peer can declare the earliest expiration, become the
-  leader, and (running modified code) form its group whenever it likes.
-* Anything malformed (undecodable gather, a list that is not a list of short strings, too
-  many names) counts as "no list": it neither triggers nor constrains, which is what the
-  sender could have had by sending nothing.
-
-Several validators: the group waits for the union of the lists of the validators *in it*.
-One that has not joined yet when the last named miner does is left out (its round is
-"overtaken", docs/protocol.md), so a validator should also name the other validators it
-knows; validators that ask the same miners and start on the shared round clock join before
-the miners they query, which is what the sandbox relies on.
-
-Everything here is a pure function of bytes and names; the averager's ``rpc_join_group``
-calls it after each accepted follower (dtrain/swarm/averaging/averager.py).
+hivemind's leader forms its group when it is full or when its window ends; dtrain's groups are
+never "full", so waiting for the window made a round cost ~20 times its all-reduce. A member
+without weight (a validator) names the peers it expects under :data:`EXPECT_KEY`, and the
+leader forms the group once every name on every member's list is a member
+(:func:`ready_to_assemble`). Why a forged list cannot hurt, and how several validators meet:
+docs/swarm.md, "How a round works", and docs/protocol.md, "Several validators". Everything here
+is a pure function of decoded gathers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 EXPECT_KEY = "expect"
 # A gather may name at most this many peers (hivemind groups are far smaller; a longer list is
@@ -82,21 +53,6 @@ def _parse_expect(value: Any) -> Optional[frozenset]:
     if not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID_CHARS for p in value):
         return None
     return frozenset(value)
-
-
-def claim_from_gather_bytes(peer_id: str, data: Any, loads: Callable[[bytes], Any]) -> MemberClaim:
-    """Decode hivemind's gather (``[bandwidth, mode, user_bytes]``, each layer msgpack) safely.
-
-    ``loads`` is the averager's serializer. Whatever a peer sent, the result is a MemberClaim:
-    bytes that do not decode as dtrain's layout give one with neither weight nor list.
-    """
-    try:
-        outer = loads(data)
-        if not isinstance(outer, (list, tuple)) or len(outer) != 3 or not isinstance(outer[2], (bytes, bytearray)):
-            return MemberClaim(str(peer_id), None, None)
-        return claim_from_user_gather(peer_id, loads(bytes(outer[2])))
-    except Exception:  # hostile or foreign bytes: msgpack raises several types
-        return MemberClaim(str(peer_id), None, None)
 
 
 def ready_to_assemble(members: Sequence[MemberClaim], min_group_size: int) -> bool:

@@ -1,31 +1,12 @@
-"""The secret-seed round audit: what was sent and returned, checked under a seed nobody knew.
+"""The secret-seed round audit a validator runs after each round.
 
-Every check *during* a round reads sketches under the epoch's public work nonce, and anything
-that can be crafted against a public seed can be crafted into its null space: a sender can add
-to its contribution a vector whose every part sketches to zero, and a reducer can add one to
-its result, and every claim, binding check and account still passes. So after a round, a
-validator draws a fresh seed (it exists only once every part has been sent and every result
-returned) and checks the round again under it:
-
-* **What each sender sent.** Every member's averager process keeps what it sent in its last
-  round (:class:`SentContribution`; the neuron asks it through swarm.KeptContribution) and answers, under the validator's seed, the sketch of each of its
-  parts as a receiver decodes it (:meth:`SentContribution.sketches`).
-* **What each reducer returned** (:func:`audit_round`). The validator holds every reducer's
-  result, the account that came with it (the coefficients of the combination, accounts.py) and,
-  from the claims forwarded with it, the digest of every sender's part bytes
-  (claims_tree.part_digest), which the reducer checked as the part arrived. Sketches are
-  linear, so the result's sketch under the seed must be ``sum_i c_i`` of the senders' reported
-  sketches. A part that does not add up is a *dispute*: the validator asks each sender with a
-  coefficient for the part's wire bytes, which must hash to the digest it committed before it
-  sent anything, and sketches them itself. A sender whose bytes do not match its report lied
-  about what it sent; when every report is true, the reducer's result is not the combination
-  it states. Either way the one at fault is named, never a bystander: the committed digests
-  make the bytes evidence.
-* **What a sender's work gives** (the mode's audit, dtrain.modes): a sampled miner's whole
-  committed batch, recomputed, must sketch under the seed to the sum of the sketches it
-  reported for the parts this audit confirmed.
-
-A sender cannot prepare for any of it: the seed did not exist when it chose its bytes.
+Every check during a round reads sketches under the epoch's public work nonce, and a change
+crafted into that sketch's null space passes all of them. So after a round a validator draws a
+fresh seed and checks the round again under it: each sender's sketches of what it sent (its
+kept contribution, kept.py), each applied part against its reducer's account
+(:func:`audit_round`), a part that does not add up settled with the senders' committed bytes,
+naming whoever lied; and, for sampled miners, what they sent against their recomputed batch
+(:func:`batch_problem`). docs/protocol.md, "Round audit".
 """
 
 from __future__ import annotations
@@ -38,11 +19,10 @@ import numpy as np
 import torch
 
 from dtrain.swarm.averaging.claims_tree import part_digest
-from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL, PartLayout, compute_claims
-from dtrain.swarm.wire import decode_wire, wire_form
+from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL, PartLayout
+from dtrain.swarm.wire import decode_wire, make_compression
 from dtrain.swarm.averaging.result_check import ResultCheck, adds_up
-from dtrain.sketch import range_sketch
-from dtrain.sketch import WORK_SKETCH_K
+from dtrain.sketch import WORK_SKETCH_K, range_sketch
 
 AUDIT_NONCE_PREFIX = "dtrain/audit/v1:"
 # The most parts an audit answer may carry: 8 MiB of float32 sketches (an answer must fit the
@@ -54,31 +34,6 @@ MAX_AUDIT_PARTS = 32768
 def audit_nonce(seed: bytes) -> str:
     """The sketch nonce of an audit seed (a validator draws 32 random bytes after the round)."""
     return AUDIT_NONCE_PREFIX + bytes(seed).hex()
-
-
-@dataclass
-class SentContribution:
-    """What this peer sent in its last round, kept (by the averager process) so it can answer
-    that round's result checks and audit.
-
-    One copy of the contribution, float32 on CPU, replaced by the next round's (memory stays
-    flat). Sketches and bytes are computed from it on demand: the codec is deterministic, so
-    they are of the very bytes that went on the wire.
-    """
-
-    tensors: list[torch.Tensor]
-    layout: PartLayout
-    compression: object  # the wire codec (hivemind CompressionBase)
-    round_id: str = ""  # the group id, set once the round ran
-
-    def sketches(self, nonce: str, k: int = WORK_SKETCH_K) -> np.ndarray:
-        """float32 [num_parts, k]: each part's sketch under ``nonce``, as a receiver decodes it."""
-        return compute_claims(self.tensors, self.layout, nonce, self.compression, k)
-
-    def wire(self, part: int) -> bytes:
-        """The wire bytes of part ``part`` (IndexError when there is no such part)."""
-        i, start, length = self.layout.parts[part]
-        return wire_form(self.tensors[i].reshape(-1)[start:start + length], self.compression)[0]
 
 
 @dataclass(frozen=True)
@@ -99,7 +54,7 @@ class RoundEvidence:
 
     senders: list[str]
     layout: PartLayout
-    compression: object
+    compression: str  # the wire codec's setting (allreduce.compression)
     parts: dict[int, ReducedPart] = field(default_factory=dict)
     result_check: Optional[ResultCheck] = None
 
@@ -215,7 +170,7 @@ def _settle(out: AuditResult, evidence: RoundEvidence, g: int, reduced: ReducedP
             out.proven.add(peer)
             continue
         try:
-            decoded = decode_wire(wire, length, evidence.compression)
+            decoded = decode_wire(wire, length, make_compression(evidence.compression))
         except ValueError as exc:
             out.problems.setdefault(peer, f"showed bytes of part {g} that do not decode ({exc})")
             continue
@@ -273,8 +228,20 @@ PROVEN_BENCH_ROUNDS = 100
 BATCH_AUDIT_RTOL = 0.1
 
 
-def batch_problem(work_mean: Sequence[Optional[torch.Tensor]], sent) -> str:
-    """"" when what a miner sent (``sent``: modes.SentSketches, its confirmed parts) sketches
+@dataclass(frozen=True)
+class SenderAudit:
+    """The round audit of one sender: its sketches of what it sent under the secret nonce, and the
+    parts whose sketches the audit confirmed (against a result that adds up, or the bytes)."""
+
+    nonce: str
+    sketches: np.ndarray  # float32 [num_parts, k]
+    confirmed: frozenset[int]
+    layout: PartLayout
+    rtol: float  # the wire codec's tolerance (contribution.binding_rtol)
+
+
+def batch_problem(work_mean: Sequence[Optional[torch.Tensor]], sent: SenderAudit) -> str:
+    """"" when what a miner sent (``sent``: its round audit, the confirmed parts) sketches
     under the secret nonce like ``work_mean``, the mean gradient its committed batch gives as
     the validator recomputed it (None: a parameter without gradient, zeros); else why not."""
     parts = sorted(sent.confirmed)

@@ -1,33 +1,10 @@
 """A Merkle sum tree over a peer's per-part claims: commit to all of them in 32 + 8·k bytes.
 
-A peer's claims are one range sketch per part of the averaged vector (contribution.py). Two
-checks use them: the *binding* check (everyone, in the gather: the claims add up to the work
-report's sketch) and the *part* check (each reducer: every part it receives has the sketch
-claimed for it). Broadcasting every claim to every member made the gather O(members × parts):
-1.8 MB through the leader's link at 8 peers and 16 MiB, a quarter of a round's bytes at real
-model sizes. So the gather now holds only this tree's root: its hash and its sum. A sender
-hands each reducer, at the head of its stream, the claims of that reducer's share and the
-few nodes that prove them (:func:`range_proof`); the reducer checks them against the root
-(:func:`verify_range`). A peer's claims cost it O(parts + reducers · log parts) bytes in all.
-
-Each leaf also binds the *digest* of the part's wire bytes (:func:`part_digest`): the claim
-says what the part's public sketch is, the digest which bytes the part is. A reducer checks
-both on every part it receives, so after the round the bytes a sender can show for a part are
-the bytes its reducer used: the evidence a secret-seed audit rests on (audit.py).
-
-The tree: leaf i holds ``(sha256(b"dtrain-claim" || i || digest_i || claim_i), claim_i as float64)``;
-an inner node holds ``(sha256(b"dtrain-node" || h_l || s_l || h_r || s_r), s_l + s_r)``; a level
-of odd length promotes its last node unchanged. The sums are float64 additions in a fixed
-order, so every peer recomputes the very same bits.
-
-Why the binding holds: a reducer recomputes every node above its leaves from their children,
-and each node's sum is hashed into its parent. The shares of all reducers cover every part,
-so every node is recomputed by someone from leaves that someone checked against the parts
-actually sent; any node whose sum is not the sum of its leaves changes a hash on the way to
-the root, which a collision-resistant hash rules out. The root's sum is therefore the sum of
-the claims of the parts sent, whichever reducer looks. (A reducer that colludes with the
-sender can skip the check of its own share; it reduces that share anyway, so it gains no
-power it did not have.)
+The gather holds only the tree's root (its hash and the claims' sum); a sender hands each
+reducer the claims of its share with the nodes that prove them (:meth:`ClaimsTree.range_proof`,
+:func:`verify_range`). Each leaf also binds the digest of its part's wire bytes
+(:func:`part_digest`), so the bytes a sender can show after the round are the bytes its
+reducer checked. The tree's layout and why the binding holds: docs/protocol.md, "Work commitments".
 """
 
 from __future__ import annotations

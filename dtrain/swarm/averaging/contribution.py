@@ -1,30 +1,11 @@
 """Contribution commitments: binding what a peer sends into a round to its work report.
 
-hivemind splits every averaged tensor into fixed *parts* (``part_size_bytes`` after
-compression), independent of the group, and hands consecutive parts to consecutive
-reducers. A peer that brings weight computes, for every part, its *claim*: the range sketch
-of that part *as it goes on the wire* (after the lossy compression round trip), float32,
-parts in order. It puts in its gather:
-
-* ``work``: its work report (``dtrain.training.work``): per page, the sketch of that page's
-  gradient under the epoch's public work nonce;
-* ``root`` and ``total``: the root of a Merkle sum tree over its claims and the digests of its
-  parts' wire bytes (claims_tree.py): a 32-byte hash and the claims' sum, 64 float64. The
-  claims themselves stay with the peer.
-
-Every peer checks, from the gather alone, that the claims add up to the report's mean
-sketch (``binding_error`` of ``total`` within ``BINDING_RTOL`` for the wire compression) and
-that the weight claimed is at most the report's samples; a peer failing either is excluded
-from the round like a wrong model. At the head of its stream to each reducer, a sender
-sends the claims of that reducer's share with the tree nodes that prove them against its
-root; the reducer refuses a sender whose proof does not check out, then checks every part
-it receives against its claim (``PART_RTOL``) and its digest, and bans a sender whose part
-contradicts either: the bytes a sender committed are the bytes its reducer used, which the
-secret-seed round audit after the round rests on (audit.py).
-So a negated, zeroed, rescaled, noisy or replayed contribution is caught either in the
-gather (claims that are honest about what is sent) or by a reducer (claims that lie).
-A peer's claims cost O(parts + reducers x log parts) bytes on the wire, not O(members x
-parts) through every member's gather.
+A peer that brings weight commits, for every part of its contribution, a *claim* (the part's
+range sketch as it arrives, after the wire codec) and its wire bytes' digest, in a claims tree
+whose root goes in its gather with its work report (:class:`Commitment`). Every peer checks
+from the gather that the claims add up to the report (:func:`binding_verdict`); each reducer
+checks every part it receives against its claim and digest (share.py). docs/protocol.md,
+"Work commitments", gives the format and the tolerances' arithmetic.
 """
 
 from __future__ import annotations
@@ -39,36 +20,18 @@ import torch
 from dtrain.swarm.averaging.claims_tree import HASH_BYTES, ClaimsTree, part_digest, verify_range
 from dtrain.swarm.codecs import BLOCKWISE_ERROR_BOUND, canonical_compression
 from dtrain.swarm.wire import as_received, wire_form
-from dtrain.sketch import range_sketch
-from dtrain.sketch import WORK_SKETCH_K
-from dtrain.training.work import WorkReport, WorkReportError
+from dtrain.sketch import WORK_SKETCH_K, range_sketch
 
-# How far the sum of the claims may be from the report's mean sketch, relative to its norm
-# (the binding check). The claims are sketches of the parts as decoded, the report's of the exact
-# gradient, so an honest peer's binding error is the sketch of the codec's error e against the
-# sketch of its contribution x: ||S e|| / ||S x||. The tolerance follows one rule for every codec
-# with a proven relative error bound eps (||e|| <= eps ||x|| for every input):
-#
-#     rho = SKETCH_MARGIN * eps.
-#
-# For a contribution of many more than k = 64 effective coordinates the sketch of a vector is
-# k near-Gaussian buckets, so ||S e||^2 / ||S x||^2 is about (||e|| / ||x||)^2 times an F(64, 64)
-# variable; F(64, 64) exceeds SKETCH_MARGIN^2 = 16 with probability 6e-23. An honest peer at the
-# worst case of its codec is therefore never excluded, and a contribution that deviates from its
-# committed mean by SKETCH_MARGIN * rho or more (relative L2) is refused with the same odds:
-# with 8-bit that is 0.5, the smallest of the cheats the sandbox plays (x0.5, noise at half the
-# norm; negated 2, zeroed 1, x2 1, a replayed gradient about 1.4). Measured margins are in
-# tests/test_swarm_compression.py and docs/swarm.md ("Wire compression").
+# How far the sum of the claims may be from the report's mean sketch, relative to its norm (the
+# binding check): rho = SKETCH_MARGIN * eps for a codec whose relative error is at most eps. An
+# honest peer at its codec's worst case exceeds it with odds of 6e-23 (an F(64, 64) variable
+# past 16), and a contribution off its committed mean by SKETCH_MARGIN * rho is refused with
+# the same odds (docs/swarm.md, "Wire compression").
 SKETCH_MARGIN = 4.0
-# Per codec: none: the claims are exact, only float32 summation order separates them (the old
-# 1e-4, far above it); fp16: round-to-nearest half-precision is within 2**-11 relative per element
-# in its normal range [6.1e-5, 65504], so rho = 4 * 2**-11 ~ 2e-3 is the rule's value, but values
-# below 6.1e-5 lose precision (below 6e-8 they vanish) and per-element gradients are often that
-# small, so fp16 keeps the measured-with-headroom 5e-3 and is not recommended for tiny gradients;
-# 8bit: dtrain's blockwise codec, eps = sqrt(63)/254 (dtrain.swarm.codecs.BLOCKWISE_ERROR_BOUND);
-# 8bit-uniform / 8bit-quantile: hivemind's codecs have no bound (measured 0.48-0.78 on heavy-tailed
-# or sparse gradients), they get 8bit's tolerance so cheats are caught alike, and an honest peer
-# with such gradients can be excluded: experiments only.
+# Per codec: none is exact but for float32 summation order; fp16 keeps a measured 5e-3 (its
+# rule value, 2e-3, holds only in half precision's normal range); 8bit is dtrain's blockwise codec
+# (codecs.BLOCKWISE_ERROR_BOUND); hivemind's 8-bit codecs have no bound and get 8bit's
+# tolerance, for experiments only (docs/swarm.md, "Wire compression").
 _EIGHT_BIT_RTOL = SKETCH_MARGIN * BLOCKWISE_ERROR_BOUND
 BINDING_RTOL = {"none": 1e-4, "fp16": 5e-3, "8bit": _EIGHT_BIT_RTOL, "8bit-uniform": _EIGHT_BIT_RTOL,
                 "8bit-quantile": _EIGHT_BIT_RTOL}
@@ -108,6 +71,29 @@ class PartLayout:
     def __len__(self) -> int:
         return len(self.parts)
 
+    def split(self, peer_fractions) -> tuple[int, ...]:
+        """How many parts each peer reduces under load-balanced ``peer_fractions``: consecutive
+        parts in order, up to each peer's pivot of the vector, a part that straddles pivots going
+        to the peer that holds most of it (the same arithmetic as hivemind's TensorPartContainer,
+        which the wall's runner compares before it starts)."""
+        sizes = [length for _, _, length in self.parts]
+        total = sum(sizes)
+        pivots = (np.cumsum(peer_fractions) / np.sum(peer_fractions) * total).astype(np.int64)
+        pivots[-1] = total
+        counts = [0] * len(pivots)
+        done, peer = 0, 0
+        for n in sizes:
+            if done + n > pivots[peer]:
+                first, overlaps = peer, [pivots[peer] - done]
+                while done + n > pivots[peer]:
+                    peer += 1
+                    overlaps.append(min(done + n, pivots[peer]) - pivots[peer - 1])
+                counts[first + int(np.argmax(overlaps))] += 1
+            else:
+                counts[peer] += 1
+            done += n
+        return tuple(counts)
+
 
 def commit_parts(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: str, compression,
                  k: int = WORK_SKETCH_K) -> tuple[np.ndarray, np.ndarray]:
@@ -135,12 +121,16 @@ def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: s
     return out
 
 
+class CommitmentError(ValueError):
+    """A gather commitment that cannot be parsed."""
+
+
 @dataclass
 class Commitment:
     """A peer's gather commitment: its work report and the root of the tree of its claims."""
 
     nonce: str
-    report: WorkReport
+    report: object  # the mode's work report (samples, contribution_sketch(k), to_wire())
     root: bytes  # the claims tree's root hash
     total: np.ndarray  # [k] float64: the sum of the claims, as the tree adds them
 
@@ -152,29 +142,23 @@ class Commitment:
         return cls(nonce=nonce, report=report, root=root.digest, total=root.total)
 
     @classmethod
-    def parse(cls, data: object, k: int = WORK_SKETCH_K, kind: Optional[type] = None) -> "Commitment":
-        """Parse and bound a gather commitment. ``kind`` (WorkReport or TrajectoryReport): the
-        report kind of this swarm's mode; a report of the other kind is refused, so a per-step
-        validator never audits a trajectory, nor a DiLoCo one a page list."""
+    def parse(cls, data: object, report_type, k: int = WORK_SKETCH_K) -> "Commitment":
+        """Parse and bound a gather commitment; its work report with ``report_type.from_wire``
+        (the report class of this swarm's averaging mode, which refuses a report of another kind).
+        ValueError names what is wrong."""
         if not isinstance(data, dict):
-            raise WorkReportError("commitment must be a map")
+            raise CommitmentError("commitment must be a map")
         nonce, root, total = data.get("nonce"), data.get("root"), data.get("total")
         if not isinstance(nonce, str):
-            raise WorkReportError("commitment nonce must be a string")
+            raise CommitmentError("commitment nonce must be a string")
         if not isinstance(root, bytes) or len(root) != HASH_BYTES:
-            raise WorkReportError(f"claims root must be {HASH_BYTES} bytes")
+            raise CommitmentError(f"claims root must be {HASH_BYTES} bytes")
         if not isinstance(total, bytes) or len(total) != k * 8:
-            raise WorkReportError(f"claims total must be {k} float64 values")
+            raise CommitmentError(f"claims total must be {k} float64 values")
         arr = np.frombuffer(total, dtype="<f8")
         if not np.isfinite(arr).all():
-            raise WorkReportError("claims total holds non-finite values")
-        from dtrain.training.trajectory import parse_report
-
-        report = parse_report(data.get("work"), k=k)
-        if kind is not None and type(report) is not kind:
-            raise WorkReportError(f"{'DiLoCo' if type(report) is not WorkReport else 'per-step'} work report "
-                                  "in a swarm of the other averaging mode")
-        return cls(nonce=nonce, report=report, root=root, total=arr)
+            raise CommitmentError("claims total holds non-finite values")
+        return cls(nonce=nonce, report=report_type.from_wire(data.get("work"), k=k), root=root, total=arr)
 
     def to_gather(self) -> dict:
         return {"nonce": self.nonce, "work": self.report.to_wire(), "root": bytes(self.root),

@@ -1,24 +1,11 @@
 """dtrain's rules for a formed group: pure functions of what its members gathered.
 
-Every peer of a group receives every member's gather (``make_gather``) and applies these
-rules to it. They depend on nothing else, so all peers that agree on the model compute the
-same partition and the same verdicts, and a hostile member cannot make two honest peers
-disagree. No hivemind here: the averager (averager.py) runs them, the runner enforces them.
-
-* Model check (WRONG_MODEL). All peers use one matchmaking key per run, so a peer with a
-  different model still *joins* (and can be reported); every honest peer then gives it the
-  ``aux`` role: it owns no share and its parts are refused.
-* Weight cap. A sender's weight is ``min(claimed weight from its gather, cap)``, with the cap
-  (and per-peer caps) of the peer *applying* the rule; the weight on the wire is ignored.
-* Scale check. A weighted peer whose announced norm is out of scale with the weighted
-  majority owns no share and adds nothing (like a wrong model).
-* Work commitments (contribution.py). A weighted peer whose commitment does not bind its
-  contribution to its work report is excluded; a peer whose group committed under another
-  epoch's nonce sits the round out.
-* The round report: each member's outcome from this peer's view.
-
-Roles are plain strings (``node``, ``client``, ``aux``); hivemind's AveragingMode appears only
-in the wall (dtrain/swarm/hivemind_internals/).
+Every member of a group receives every member's gather (``make_gather``) and applies these
+rules to it, so all peers that agree on the model reach the same verdicts and a hostile member
+cannot make two honest ones disagree: the model check (WRONG_MODEL), the weight caps, the
+scale check, the work commitments, the bench, and whether this peer sits the round out
+(docs/swarm.md, "How a round works"). Roles are plain strings (``node``, ``client``, ``aux``);
+hivemind's modes appear only in the wall.
 """
 
 from __future__ import annotations
@@ -29,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from dtrain.swarm.averaging.assembly import EXPECT_KEY
-from dtrain.swarm.records import Outcome
 
 GATHER_VERSION = 3
 # A member that most of the group refused as a reducer (for what it returned) within this many
@@ -42,6 +28,26 @@ NODE, CLIENT, AUX = "node", "client", "aux"
 # before matchmaking broadcasts it (SwarmAverager.keep_private): this peer's claims, of which
 # the group sees only their tree's root (contribution.py).
 PRIVATE_KEY = "private"
+
+
+class BenchList:
+    """Peers this peer names as refused reducers in its gathers, each for a number of its rounds
+    (the swarm's own refusals, and the round audit's findings a validator passes on)."""
+
+    def __init__(self):
+        self._left: dict[str, int] = {}  # peer id -> rounds it is still named
+
+    def name(self, peers, rounds: int) -> None:
+        for p in peers:
+            self._left[str(p)] = int(rounds)
+
+    def tick(self) -> None:
+        """One of our rounds has passed."""
+        self._left = {p: n - 1 for p, n in self._left.items() if n > 1}
+
+    def named(self) -> list[str]:
+        """The peers named, the longest-named (the latest refused) first."""
+        return sorted(self._left, key=lambda p: -self._left[p])
 
 
 def schema_hash(tensors: Sequence[Any], part_size_bytes: int) -> str:
@@ -259,26 +265,21 @@ def bench_votes(peer_ids: Sequence[str], users: Sequence[Any], compatible: Seque
     return benched
 
 
-def check_commitments(users, mine: dict, compatible, claimed) -> tuple[Optional[dict], dict]:
+def check_commitments(users, mine: dict, compatible, claimed, report_type) -> tuple[Optional[dict], dict]:
     """Parse every peer's work commitment and decide which weighted peers are not bound by one.
 
-    Returns ``(commitments, unbound)``: ``commitments`` maps the index of each peer whose
-    commitment parsed to its Commitment (None overall when this peer runs without them),
-    ``unbound`` maps peer index to the reason its contribution is refused.
+    ``report_type``: the work report class of this swarm's averaging mode, whose ``from_wire``
+    parses a commitment's report and refuses one of another kind. Returns ``(commitments,
+    unbound)``: ``commitments`` maps the index of each peer whose commitment parsed to its
+    Commitment (None overall when this peer runs without them), ``unbound`` maps peer index to
+    the reason its contribution is refused.
     """
     from dtrain.swarm.averaging.contribution import OTHER_EPOCH, Commitment, binding_verdict
-    from dtrain.training.work import WorkReportError
 
     own = mine.get("commit")
     if not isinstance(own, dict):
         return None, {}
     required = bool(mine.get("req"))
-    try:  # every peer's report must be of the kind ours is: one averaging mode per swarm
-        from dtrain.training.trajectory import parse_report
-
-        kind = type(parse_report(own.get("work")))
-    except WorkReportError:
-        kind = None
     commitments, unbound = {}, {}
     for i, user in enumerate(users):
         if not compatible[i]:
@@ -288,9 +289,9 @@ def check_commitments(users, mine: dict, compatible, claimed) -> tuple[Optional[
         reason = ""
         if data is not None:
             try:
-                parsed = Commitment.parse(data, kind=kind)
+                parsed = Commitment.parse(data, report_type)
                 commitments[i] = parsed
-            except WorkReportError as exc:
+            except ValueError as exc:
                 reason = f"malformed work commitment: {exc}"
         if claimed[i] > 0 and (required or data is not None):
             reason = reason or binding_verdict(parsed, weight=claimed[i], nonce=own.get("nonce"),
@@ -349,105 +350,3 @@ def out_of_step(plan: GroupPlan) -> Optional[str]:
         return (f"this peer is at another epoch than the group ({len(elsewhere)} of {len(others)} peers "
                 "committed under another epoch's nonce)")
     return None
-
-
-def sit_out_report(plan: GroupPlan, round_id: str, reason: str) -> dict:
-    """The report of a round this peer sat out: the others give it no share and expect nothing from it."""
-    return dict(
-        round_id=round_id, group=list(plan.peer_ids),
-        peers=[dict(peer_id=p, outcome=Outcome.FAIL.value, weight_claimed=plan.claimed[i], weight_used=0.0,
-                    reason=plan.unbound.get(i, "")) for i, p in enumerate(plan.peer_ids) if i != plan.me],
-        bytes_sent=0, bytes_received=0, fraction_averaged=0.0, fraction_refused=0.0, total_weight=0.0, allreduce_s=0.0,
-        out_of_step=reason, work_reports=plan.work_reports())
-
-
-# What a reducer answers a part for a group it is not in (hivemind's message code): the member
-# was counted into this group but never started it.
-NOT_IN_GROUP = "BAD_GROUP_ID"
-
-
-def round_report(plan: GroupPlan, *, round_id: str, rejected=(), too_large=(), contradicted=(), unproven=(),
-                 banned=(), never_started=(), failed_reducers: Optional[dict] = None, sending_failures: Optional[dict] = None,
-                 bytes_sent: int = 0, bytes_received: int = 0, total_size: int = 0, failed_size: int = 0,
-                 refused_size: int = 0, refused_reducers=(), accused_reducers: Optional[dict] = None,
-                 unconfirmed_reducers: Optional[dict] = None, recovered_size: int = 0,
-                 evidence: Optional[dict] = None) -> dict:
-    """Each member's outcome and the round's figures, from this peer's view.
-
-    ``rejected`` / ``too_large`` / ``contradicted``: senders our reducer refused (any reason /
-    a part larger than announced / a part contradicting its commitment); ``unproven``: senders
-    whose claims for our share did not prove out against their committed root; ``banned``: senders
-    banned for any reason; ``failed_reducers``: reducer -> why its share stayed local;
-    ``sending_failures``: reducer -> why *we* could not send it our parts (our fault: we are
-    FAIL, the reducer is not); ``never_started``: senders that never opened a stream to us;
-    ``unconfirmed_reducers``: reducer -> why our result check refused its parts (result_check.py).
-    Peer ids.
-
-    A member that never sent us anything *and* whose reducer said it is not in this group
-    (:data:`NOT_IN_GROUP`) was counted into the group after it had left matchmaking (a
-    leader's late "begin", hivemind): it is NON_PARTICIPATING, not FAIL. The record tells
-    it apart from a member that started the round and then failed it. (A peer that fakes
-    this gains nothing: both outcomes score 0 for the round.)
-    """
-    failed_reducers = failed_reducers or {}
-    sending_failures = sending_failures or {}
-    accused_reducers = accused_reducers or {}
-    unconfirmed_reducers = unconfirmed_reducers or {}
-    me = plan.peer_ids[plan.me]
-    peers = []
-    for i, peer in enumerate(plan.peer_ids):
-        reason = ""
-        if not plan.compatible[i]:
-            outcome = Outcome.WRONG_MODEL
-            reason = "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
-        elif i in plan.out_of_scale:
-            outcome, reason = Outcome.FAIL, f"out-of-scale contribution (norm {plan.norms[i]:.3g})"
-        elif i in plan.unbound:
-            outcome, reason = Outcome.FAIL, plan.unbound[i]
-        elif i in plan.benched:
-            outcome, reason = Outcome.FAIL, ("benched: most of the group refused it as a reducer lately "
-                                             "(it reduces no share)")
-        elif peer == me and sending_failures:
-            outcome, reason = Outcome.FAIL, "could not send its parts: " + next(iter(sending_failures.values()))
-        elif peer == me:
-            outcome = Outcome.SUCCESS
-        elif peer in contradicted:
-            outcome, reason = Outcome.FAIL, "sent a part that contradicts its commitment"
-        elif peer in unproven:
-            outcome, reason = Outcome.FAIL, "sent claims that do not match its committed root"
-        elif peer in too_large:
-            outcome, reason = Outcome.FAIL, "sent a part larger than its announced norm"
-        elif peer in rejected:
-            outcome, reason = Outcome.FAIL, "sent non-finite values"
-        elif peer in never_started and NOT_IN_GROUP in failed_reducers.get(peer, ""):
-            outcome, reason = (Outcome.NON_PARTICIPATING,
-                               "counted into the group after it had left matchmaking: it never started this round")
-        elif peer in banned:
-            outcome, reason = Outcome.FAIL, "banned as sender (timeout, disconnect or protocol error)"
-        elif peer in unconfirmed_reducers:
-            outcome, reason = Outcome.FAIL, unconfirmed_reducers[peer]
-        elif peer in accused_reducers:
-            outcome, reason = Outcome.FAIL, accused_reducers[peer]
-        elif peer in failed_reducers:
-            outcome, reason = Outcome.FAIL, "did not deliver its averaged part: " + failed_reducers[peer]
-        else:
-            outcome = Outcome.SUCCESS
-        peers.append(dict(peer_id=peer, outcome=outcome.value, weight_claimed=plan.claimed[i],
-                          weight_used=0.0 if outcome != Outcome.SUCCESS else plan.used[i], reason=reason))
-    total = max(total_size, 1)
-    return dict(
-        round_id=round_id,
-        group=list(plan.peer_ids),
-        peers=peers,
-        bytes_sent=int(bytes_sent),
-        bytes_received=int(bytes_received),
-        fraction_averaged=0.0 if not plan.receives else 1.0 - failed_size / total,
-        # of the rest, what is zeros because its reducer was refused for what it returned: the
-        # same on every receiver of the same bytes (the remainder kept this peer's local values)
-        fraction_refused=0.0 if not plan.receives else refused_size / total,
-        # of the averaged share, what receivers re-reduced themselves for a refused reducer
-        fraction_recovered=0.0 if not plan.receives else recovered_size / total,
-        refused=list(refused_reducers),
-        total_weight=float(sum(p["weight_used"] for p in peers)),
-        evidence=evidence if plan.receives else None,  # for the secret-seed round audit (audit.py)
-    )

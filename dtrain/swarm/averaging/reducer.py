@@ -1,22 +1,12 @@
 """The part reducer: how this peer combines the parts of its share that the senders send.
 
-It keeps the contract of hivemind's TensorPartReducer, which the butterfly runner drives
-(``accumulate_part``, ``on_sender_failed``, ``finalize``, ``finished``, ``num_parts``: parts
-are reduced in order, each once every sender still in the round has sent it), and adds
-dtrain's rules:
-
-* Receiver-side weights. ``sender_weights`` are fixed at group formation (already capped,
-  group_rules.py); the weight a sender puts on the wire is never read.
-* Checks before anything is added. A part with NaN/Inf, or larger than its sender's
-  announced norm (``within_norm``), bans that sender from this part on; its values are
-  never added. The runner bans a part that contradicts its commitment the same way (``reject``).
-* Robust aggregation. With ``robust``, a part is the weighted CenteredClip of the senders'
-  parts (centered_clip.py), computed in a worker thread so the loop keeps moving bytes.
-* Edge cases. If every contributor of a part has weight 0 (only validators left) the part
-  is their plain mean; if nobody contributed it is NaN, which makes every receiver keep its
-  local values for that part.
-
-No hivemind here; ``SenderBanned`` is what the runner catches to stop serving a sender.
+It keeps the contract of hivemind's TensorPartReducer (``accumulate_part``, ``on_sender_failed``,
+``finalize``, ``finished``, ``num_parts``: parts are reduced in order, each once every sender
+still in the round has sent it) and adds dtrain's rules: receiver-side weights fixed at group
+formation (the weight on the wire is never read), a part that is non-finite or larger than its
+sender's announced norm bans that sender before anything is added, CenteredClip (in a worker
+thread) or the weighted mean, and the account of every part (accounts.py). A part only weight-0
+peers sent is their plain mean; a part nobody sent is NaN (every receiver keeps its local values).
 """
 
 from __future__ import annotations

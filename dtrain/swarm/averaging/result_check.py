@@ -1,40 +1,20 @@
 """The result check: every receiver checks every reducer's result, before applying it, under a
 seed that did not exist while the result could still be chosen.
 
-A reducer's account (accounts.py) is checked under the epoch's *public* work nonce, and a
-result can be altered inside that sketch's null space (``nullspace-reducer``: its result
-reflected through it, about negated) with every public check still passing. The validators'
-round audit (audit.py) catches it, but only after every peer has applied the round. So, at the
-end of its butterfly, each receiver checks again under a seed fixed by the results themselves:
-
-1. **The seed** (:func:`result_seed`) is a hash of every result this receiver holds, part by
-   part (the group id first). A reducer's result is part of it, so the seed exists only once
-   every result is final, and a reducer that changes its result changes the seed: it cannot
-   choose a change in the null space of a sketch it does not know yet (the Fiat-Shamir
-   heuristic). Every honest receiver holds the same results (the protocol makes them
-   bit-identical), so they all derive the same seed and reach the same verdicts: a result that
-   fails, fails for all of them, and they all zero the same share.
-2. **The senders' sketches.** The receiver asks each sender with a coefficient in a part it
-   applied (a unary p2p question, the wall's ``ask_member``) for the sketches, under that seed,
-   of its parts as a receiver decodes them (:func:`encode_ask`, :func:`encode_answer`). A sender
-   keeps what it sent until its next round for that; it computes each seed's sketches once.
-3. **The check** (:func:`failing_parts`): each applied part's sketch must be the combination its
-   reducer's account states, ``||S(r) - sum_i c_i A_i|| <= rho ||S(r)|| + 1e-4 sum_i c_i ||A_i||``
-   (the public account check's tolerance), ``A_i`` the sketch sender ``i`` answered. A sender
-   that did not answer is bounded instead: its term may be off by ``SILENT_SLACK`` times its
-   claimed part's norm (a missing answer cannot hide a change larger than the silent sender's
-   own share of the part; a silent peer never blocks a round).
-
-A part that fails is not applied: its reducer's applied parts become zeros (as for a reducer
-refused during the round, so every receiver holds the same values), and the reducer is recorded
-FAIL. The receiver cannot tell a false result from a sender's false sketch, so it names no one
-for the bench; what it saw is evidence (:class:`FailedPart`), which the validators' round audit
-settles with the parts' committed bytes (audit.audit_round), naming whoever lied.
+The seed is a hash of every result this receiver holds (:func:`result_seed`), so a reducer
+cannot aim a change at the null space of a sketch it does not know yet, and every honest
+receiver, holding the same results, derives the same seed and reaches the same verdicts. Each
+applied part's sketch must be the combination its reducer's account states of the sketches its
+senders answer under that seed (:func:`judge`); a reducer whose part fails has its applied parts
+zeroed and is recorded FAIL, and what the receiver saw is evidence the validators' round audit
+settles (audit.py). docs/protocol.md, "Result check", gives the protocol and its arithmetic.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
@@ -42,22 +22,21 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from dtrain.sketch import WORK_SKETCH_K, range_sketch
 from dtrain.swarm.averaging.contribution import ABS_FLOOR, PART_RTOL
-from dtrain.sketch import WORK_SKETCH_K
+from dtrain.swarm.averaging.kept import ask_sketches
+
+logger = logging.getLogger(__name__)
 
 RESULT_SEED_TAG = b"dtrain-result-seed/v1"
 RESULT_NONCE_PREFIX = "dtrain/result/v1:"
-SEED_BYTES = 32
-# Parts per question: an answer of 8192 sketches is 2 MiB, within p2pd's 4 MiB message.
-MAX_ASK_PARTS = 8192
 # A sender that did not answer: how far its term may be off, in units of its claimed part's
 # norm. A sketch's norm is within about 20 % of the part's (64 buckets), so 2 covers any true
 # sketch, and a change hidden behind a silent sender can be no larger than its own term.
 SILENT_SLACK = 2.0
-# Seeds a sender answers per round. Honest receivers derive one (the same); a receiver whose
-# results differ (a reducer sent it other bytes) another. Bounded, so that a member cannot make
-# a sender sketch its contribution again and again.
-MAX_SEEDS_PER_ROUND = 4
+# The least time a member is given to answer a question (its sender timeout when longer): it
+# sketches what it sent once per round, a fraction of a second per 16 MiB.
+MIN_QUESTION_TIMEOUT_S = 10.0
 # Why a receiver did not apply a reducer's parts (its record's reason; validators settle it).
 REASON = "returned a part that does not add up under the round's result seed (or a sender's sketch is false)"
 
@@ -77,84 +56,6 @@ def result_seed(group_id: bytes, parts: Iterable[tuple[int, torch.Tensor]]) -> b
 def result_nonce(seed: bytes) -> str:
     """The sketch nonce of a result seed (the same ``range_sketch`` as the claims)."""
     return RESULT_NONCE_PREFIX + bytes(seed).hex()
-
-
-# The two questions a member asks (the first byte of a question)
-ASK_SKETCHES = b"S"  # the sketches of parts under a result seed
-ASK_BYTES = b"B"  # the wire bytes of parts (to re-reduce a refused reducer's share)
-# Bytes of wire form per answer to ASK_BYTES: within p2pd's 4 MiB message.
-MAX_ANSWER_BYTES = 3 << 20
-
-
-def encode_ask(seed: bytes, parts: Sequence[int]) -> bytes:
-    """A question for sketches: the kind, the seed, then the global part indices wanted (u32, ascending)."""
-    if len(seed) != SEED_BYTES or not 0 < len(parts) <= MAX_ASK_PARTS:
-        raise ValueError("a question names one 32-byte seed and 1 to MAX_ASK_PARTS parts")
-    return ASK_SKETCHES + bytes(seed) + np.asarray(parts, dtype="<u4").tobytes()
-
-
-def encode_fetch(parts: Sequence[int]) -> bytes:
-    """A question for the wire bytes of the given global parts (u32, ascending)."""
-    if not 0 < len(parts) <= MAX_ASK_PARTS:
-        raise ValueError("a question names 1 to MAX_ASK_PARTS parts")
-    return ASK_BYTES + np.asarray(parts, dtype="<u4").tobytes()
-
-
-def decode_ask(payload: bytes, num_parts: int) -> tuple[bytes, Optional[bytes], list[int]]:
-    """``(kind, seed or None, parts)`` of a question; ValueError naming what is wrong with it."""
-    kind, payload = bytes(payload[:1]), bytes(payload[1:])
-    if kind == ASK_SKETCHES:
-        seed, body = payload[:SEED_BYTES], payload[SEED_BYTES:]
-        if len(seed) < SEED_BYTES:
-            raise ValueError("a question for sketches starts with a 32-byte seed")
-    elif kind == ASK_BYTES:
-        seed, body = None, payload
-    else:
-        raise ValueError("a question asks for sketches (S) or bytes (B)")
-    if not body or len(body) % 4:
-        raise ValueError("a question names whole u32 part indices")
-    parts = np.frombuffer(body, dtype="<u4")
-    if len(parts) > MAX_ASK_PARTS:
-        raise ValueError(f"a question names at most {MAX_ASK_PARTS} parts")
-    if (parts >= num_parts).any() or (np.diff(parts.astype(np.int64)) <= 0).any():
-        raise ValueError(f"part indices must ascend and be below {num_parts}")
-    return kind, seed, [int(g) for g in parts]
-
-
-def encode_wires(wires: Sequence[bytes]) -> bytes:
-    """An answer of wire bytes: per part, u32 length then the bytes."""
-    return b"".join(struct.pack("<I", len(w)) + bytes(w) for w in wires)
-
-
-def decode_wires(data: Optional[bytes], count: int) -> Optional[list[bytes]]:
-    """The ``count`` wire forms of an answer, or None (no answer, or malformed)."""
-    if data is None:
-        return None
-    out, at = [], 0
-    for _ in range(count):
-        if at + 4 > len(data):
-            return None
-        (n,) = struct.unpack_from("<I", data, at)
-        at += 4
-        if at + n > len(data):
-            return None
-        out.append(bytes(data[at:at + n]))
-        at += n
-    return out if at == len(data) else None
-
-
-def encode_answer(sketches: np.ndarray) -> bytes:
-    """An answer: the asked parts' sketches, float32 little-endian [parts, k]."""
-    return np.ascontiguousarray(sketches, dtype="<f4").tobytes()
-
-
-def decode_answer(data: Optional[bytes], num_parts: int, k: int = WORK_SKETCH_K) -> Optional[np.ndarray]:
-    """The sketches of an answer, or None (no answer, the wrong size, or non-finite values:
-    the sender is then treated as silent)."""
-    if data is None or len(data) != num_parts * k * 4:
-        return None
-    sketches = np.frombuffer(data, dtype="<f4").reshape(num_parts, k)
-    return sketches if np.isfinite(sketches).all() else None
 
 
 def adds_up(got: np.ndarray, coefficients: np.ndarray, sketches: Mapping[int, np.ndarray], rtol: float,
@@ -196,28 +97,6 @@ class ResultCheck:
     # with its answer, for the validators to settle
     disputed: dict[int, FailedPart] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)  # refused reducer -> its weight as a sender
-
-    def to_plain(self) -> dict:
-        """Plain values, to leave the averager process through its result pipe."""
-        return dict(nonce=self.nonce, parts_checked=self.parts_checked, silent=list(self.silent),
-                    weights=dict(self.weights), failed=_plain(self.failed), disputed=_plain(self.disputed))
-
-    @classmethod
-    def from_plain(cls, data: dict) -> "ResultCheck":
-        return cls(nonce=str(data["nonce"]), parts_checked=int(data["parts_checked"]),
-                   silent=list(data["silent"]), failed=_parts(data["failed"]), disputed=_parts(data.get("disputed") or {}),
-                   weights={str(p): float(w) for p, w in (data.get("weights") or {}).items()})
-
-
-def _plain(parts: Mapping[int, FailedPart]) -> dict:
-    return {g: (f.reducer, tuple(f.coefficients), tuple(f.digests), np.asarray(f.got).tolist(),
-                {i: np.asarray(a).tolist() for i, a in f.answered.items()}) for g, f in parts.items()}
-
-
-def _parts(data: Mapping) -> dict[int, FailedPart]:
-    return {int(g): FailedPart(reducer, tuple(c), tuple(d), np.asarray(got, dtype=np.float64),
-                               {int(i): np.asarray(a, dtype=np.float64) for i, a in answered.items()})
-            for g, (reducer, c, d, got, answered) in data.items()}
 
 
 def failing_parts(got: Mapping[int, np.ndarray], coefficients: Mapping[int, Sequence[float]],
@@ -281,3 +160,80 @@ def judge(got: Mapping[int, np.ndarray], coefficients: Mapping[int, Sequence[flo
         answers[best] = None
         failing = best_failing
     return failing, set_aside
+
+
+def question_timeout(plan) -> float:
+    """How long a member has to answer a question after the butterfly."""
+    return max(MIN_QUESTION_TIMEOUT_S, plan.sender_timeout)
+
+
+async def check_results(plan, butterfly, tensors, io, kept) -> Optional[ResultCheck]:
+    """Check every part another reducer returned that we applied, under the round's result seed;
+    refuse (zero) the applied parts of a reducer that fails (``butterfly.refuse_unconfirmed``).
+    ``io``: the averager (``ask_member``); ``kept``: what we sent this round (None: nothing).
+    None when nothing was applied from another reducer."""
+    applied = butterfly.applied_by_others()
+    if not applied:
+        return None
+    loop = asyncio.get_event_loop()
+    held = sorted(set(applied) | set(plan.own_share))
+    seed = await loop.run_in_executor(None, result_seed, plan.group_id, [(g, plan.piece(tensors, g)) for g in held])
+    nonce = result_nonce(seed)
+    # Every honest member derives this seed, so the others will ask us with it: start sketching
+    # what we sent now, and our own results while our questions are out.
+    if kept is not None:
+        kept.sketches_for_seed(seed, nonce)
+    ours = loop.run_in_executor(None, _sketch_parts, plan, tensors, sorted(applied), nonce)
+    wanted: dict[int, list[int]] = {}  # sender index -> the parts it has a coefficient in
+    for g, (_, coefficients) in sorted(applied.items()):
+        for i, c in enumerate(coefficients):
+            if c > 0:
+                wanted.setdefault(i, []).append(g)
+    timeout_s = question_timeout(plan)
+
+    async def answers_of(i: int):
+        if i != plan.my_sender_index:
+            return await ask_sketches(io, plan.sender_ids[i], plan.group_id, seed, wanted[i], timeout_s)
+        future = None if kept is None else kept.sketches_for_seed(seed, nonce)
+        sketches = None if future is None else await asyncio.shield(future)
+        return None if sketches is None else {g: sketches[g] for g in wanted[i]}
+
+    answered = dict(zip(wanted, await asyncio.gather(*(answers_of(i) for i in wanted))))
+    return _verdict(plan, butterfly, applied, await ours, answered, nonce)
+
+
+def _verdict(plan, butterfly, applied: dict, got: dict, answered: dict, nonce: str) -> ResultCheck:
+    """Judge the answers, refuse the reducers whose parts fail, and keep what was seen."""
+    norms = {g: {i: butterfly.claimed_norm(g, i) for i, c in enumerate(applied[g][1]) if c > 0} for g in applied}
+    failing, set_aside = judge(got, {g: c for g, (_, c) in applied.items()}, {g: p for g, (p, _) in applied.items()},
+                               answered, norms, plan.account_rtol)
+    senders = plan.sender_ids
+    check = ResultCheck(nonce=nonce, parts_checked=len(applied),
+                        silent=sorted(senders[i] for i, a in answered.items() if a is None))
+
+    def evidence_of(g: int) -> FailedPart:
+        peer_index, coefficients = applied[g]
+        return FailedPart(plan.rules.peer_ids[peer_index], tuple(coefficients), butterfly.digests_of(g), got[g],
+                          {i: a[g] for i, a in answered.items() if a is not None and g in a})
+
+    check.failed = {g: evidence_of(g) for g in sorted(failing)}
+    check.disputed = {g: evidence_of(g) for g in sorted(set(set_aside.values()))}
+    for i in set_aside:
+        logger.warning("swarm: setting aside the result-check answers of %s: they alone contradict several "
+                       "reducers", senders[i])
+    for peer_index in sorted({applied[g][0] for g in failing}):
+        logger.warning("swarm: refusing reducer %s: %s", plan.rules.peer_ids[peer_index], REASON)
+        butterfly.refuse_unconfirmed(peer_index, REASON)
+    # the weight each refused reducer had as a sender: a validator that finds a sender lied gives it back
+    rules = plan.rules
+    check.weights = {p: rules.used[rules.peer_ids.index(p)] for p in butterfly.unconfirmed_reducers}
+    return check
+
+
+def _sketch_parts(plan, tensors, parts, nonce: str) -> dict:
+    """Global part -> the sketch (float64 numpy) of our result for it under ``nonce``."""
+    out = {}
+    for g in parts:
+        param_index, start, _ = plan.layout.parts[g]
+        out[g] = range_sketch(plan.piece(tensors, g), param_index, start, nonce, k=WORK_SKETCH_K).numpy()
+    return out

@@ -37,14 +37,10 @@ def sender_timeout_for(allreduce_timeout_s: float) -> float:
 
 _SCHEMA = AllReduceConfig()
 
-# Wire bytes per part: hivemind's 512 KiB for every vector of 16 MiB or more (every GPT-2
-# preset), less for smaller ones, never under 128 KiB. Per part the butterfly pays a fixed
-# price (protobuf framing, asyncio hand-offs, a thread hop to decode, the checks' set-up): at
-# 128 KiB that was a third of the production averager's CPU per byte (docs/swarm.md, "CPU per
-# byte"). Below 16 MiB the part shrinks so that a full group of the schema's default size (32)
-# still gives every reducer a part. The rule reads only the vector's size, which every peer
-# of a run shares (the model is swarm-wide), so every peer splits the vector alike: a peer
-# whose parts differed would have its claims refused by every reducer.
+# Wire bytes per part: hivemind's 512 KiB for every vector of 16 MiB or more (a part has a fixed
+# cost, docs/swarm.md "CPU per byte"), less for smaller ones so that a full group of the schema's
+# size still gives every reducer a part, never under 128 KiB. The rule reads only the vector's
+# size, so every peer of a run (one model) splits the vector alike.
 MIN_PART_BYTES = 2**17
 MAX_PART_BYTES = 2**19
 

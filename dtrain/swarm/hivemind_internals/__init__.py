@@ -1,38 +1,16 @@
 """The wall: the one place in dtrain that knows hivemind's internals.
 
-dtrain needs a few rules hivemind has no hooks for (receiver-side weights, part checks,
-early group formation, bit-identical results, a command pipe that survives a dead sender).
-Adding them means subclassing hivemind's averager and all-reduce runner, overriding private
-methods, and patching a few module globals. All of that is in this package, and only here
-(tests/test_hivemind_wall.py scans the rest of dtrain for it), so:
+Everything that subclasses hivemind's classes, overrides their private methods or patches its
+module globals is here, and only here (tests/test_hivemind_wall.py scans the rest of dtrain).
+Importing this package on an untested hivemind release raises :class:`UnsupportedHivemind` with
+the fix (dtrain/swarm/library.py), before any hivemind module is imported.
 
-* a hivemind upgrade is checked in one place, against ``TESTED_VERSIONS``
-  (dtrain/swarm/library.py): importing this package on another release raises
-  :class:`UnsupportedHivemind` with the fix, before any hivemind module is imported;
-* the rest of dtrain sees dtrain-shaped hooks (``average_with_group``, ``should_form_group``,
-  ``serve_stream``, ``messages_to_reducer`` ...), and dtrain's rules live outside the wall
-  (dtrain/swarm/averaging/).
-
-Modules: ``shims`` (what is patched into hivemind, and its compression objects),
-``processes`` (the DHT process, the command pipe, dialling, leaving the matchmaking queue),
-``averager`` (AveragerProcess: hivemind's DecentralizedAverager with hooks), ``runner``
-(ButterflyRunner: hivemind's AllReduceRunner with hooks). One package rather than one file
-only to keep each part readable; nothing outside imports the submodules directly.
-
-What is patched, at import (:func:`install_shims`, idempotent):
-
-1. hivemind's 8-bit quantizers decode the codebook length with ``int(np.frombuffer(...))``,
-   which numpy >= 2.4 refuses; fixed subclasses are registered under the same wire ids, so
-   the bytes on the wire are unchanged and unpatched peers still interoperate.
-2. The load balancer's ``linprog(method="interior-point")`` is deprecated (fatal under
-   ``-W error``) and slated for removal: the same LP is solved with HiGHS, with an equal
-   split if the solver fails, so a round never dies in load balancing.
-3. dtrain's 8-bit codec (dtrain/swarm/codecs.py) is registered under ``BLOCKWISE_8BIT``.
-
-And (:func:`install_survivable_locks`, ``locks``): hivemind's three cross-process MPFuture
-locks become locks that a process killed while holding one does not leave locked for ever.
-And (:func:`install_state_server`, ``averager``): the neuron's thread that serves this peer's
-state to peers catching up no longer holds the last state it served, nor its request's pipe.
+dtrain's rules never subclass what is here: the averager process runs a ``RoundHandler`` and
+the butterfly runner a ``ButterflyChecks`` (dtrain/swarm/averaging/). Modules: ``averager``
+(the averager process), ``matchmaking`` (a leader's early formation), ``runner`` and
+``reply_stream`` (the butterfly), ``processes`` (the DHT process, the command pipe), ``locks``,
+``state_server`` and ``shims`` (what is patched into hivemind at import: docs/swarm.md,
+"Compatibility shims and the hivemind wall").
 """
 
 from __future__ import annotations
@@ -45,12 +23,14 @@ if _problem:
 
 # Only once the release is known to be a tested one:
 from dtrain.swarm.hivemind_internals.averager import (  # noqa: E402
+    AVERAGER_TORCH_THREADS,
     AVERAGER_WIRE_NAME,
     ROLE_OF_MODE,
     AveragerProcess,
     Group,
     MatchmakingException,
-    install_state_server,
+    RoundHandler,
+    reset_torch_threads_after_fork,
 )
 from dtrain.swarm.hivemind_internals.locks import (  # noqa: E402
     SurvivableLock,
@@ -62,7 +42,9 @@ from dtrain.swarm.hivemind_internals.processes import (  # noqa: E402
     dial,
     undeclare_in_background,
 )
-from dtrain.swarm.hivemind_internals.runner import ButterflyRunner, CountingStub  # noqa: E402
+from dtrain.swarm.hivemind_internals.reply_stream import ReplyStream, SendingFailed  # noqa: E402
+from dtrain.swarm.hivemind_internals.runner import ButterflyChecks, ButterflyFacts, ButterflyRunner  # noqa: E402
+from dtrain.swarm.hivemind_internals.state_server import install_state_server  # noqa: E402
 from dtrain.swarm.hivemind_internals.shims import (  # noqa: E402
     BlockwiseAbsmax8BitCompression,
     compression,
@@ -79,16 +61,21 @@ install_survivable_locks()
 install_state_server()
 
 __all__ = [
+    "AVERAGER_TORCH_THREADS",
     "AVERAGER_WIRE_NAME",
     "ROLE_OF_MODE",
     "TESTED_VERSIONS",
     "AveragerProcess",
     "BlockwiseAbsmax8BitCompression",
+    "ButterflyChecks",
+    "ButterflyFacts",
     "ButterflyRunner",
-    "CountingStub",
     "DHTProcess",
     "Group",
     "MatchmakingException",
+    "ReplyStream",
+    "RoundHandler",
+    "SendingFailed",
     "SurvivableLock",
     "UnsupportedHivemind",
     "compression",
@@ -100,6 +87,7 @@ __all__ = [
     "install_survivable_locks",
     "load_balance",
     "optimize_parts_highs",
+    "reset_torch_threads_after_fork",
     "serialize_part",
     "shims_installed",
     "undeclare_in_background",

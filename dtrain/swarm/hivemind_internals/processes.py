@@ -22,18 +22,9 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def heap_frozen_for_fork():
-    """Around the fork of a hivemind process: the child inherits the parent's heap as frozen.
-
-    hivemind's DHT and averager are forked from the neuron and inherit its whole heap (torch,
-    transformers, the model: over 200k objects). A full collection in the child walks and
-    writes every one of them: it copies the pages it touches out of the memory shared with the
-    neuron and takes hundreds of milliseconds (270-690 ms measured in an averager on a loaded
-    2-core host). And because they count toward the oldest generation, the child ran full
-    collections only rarely (collect_garbage_of_last_round says what that cost). Frozen, they
-    are never scanned in the child. The parent unfreezes at once, so nothing changes for the
-    neuron's own collector.
-    (Python's documentation of gc.freeze recommends exactly this for fork without exec.)
-    """
+    """Around the fork of a hivemind process: the child inherits the parent's heap frozen, so the
+    child's collector never walks (and copies) the neuron's objects, and still runs often
+    (docs/swarm.md, "The DHT and averager processes"). The parent unfreezes at once."""
     with _FORK_LOCK:  # two starts at once: one's unfreeze must not come before the other's fork
         gc.freeze()
         try:
@@ -46,21 +37,9 @@ _FORK_LOCK = threading.Lock()
 
 
 def collect_garbage_of_last_round() -> None:
-    """In a forked hivemind process, between rounds: free what the last round left in cycles.
-
-    Each round leaves about 170 objects in reference cycles in the averager: the frames of
-    hivemind's stream handlers (rpc_aggregate_part, p2p_daemon's _process_stream), held by the
-    tracebacks of the exceptions that end a stream (IncompleteReadError, CancelledError,
-    StopAsyncIteration), and with them the part tensors those frames still referenced. The
-    frames lived through the round, so they were in the oldest generation when they became
-    garbage, and Python collects that generation only once the objects added since the last
-    full collection reach a quarter of it: with the neuron's 210k inherited objects, about
-    every 300 rounds. Until then the averager's memory grew by a few parts a round.
-    heap_frozen_for_fork takes the inherited objects out of that count, which lets Python's
-    own collector run often again; collecting here as well makes the bound exact (at most one
-    round's worth is ever held) and costs under a millisecond, since only the process's own
-    objects are scanned.
-    """
+    """In a forked hivemind process, between rounds: free what the last round left in reference
+    cycles (hivemind's stream-handler frames and the parts they hold), so at most one round's
+    garbage is ever held (docs/swarm.md, "The DHT and averager processes")."""
     gc.collect()
 
 
@@ -122,16 +101,10 @@ async def dial(node, peer_id: str, transport, timeout: float) -> None:
 
 
 def undeclare_in_background(key_manager) -> None:
-    """Make a peer's "no longer looking for a group" DHT store fire and forget.
-
-    hivemind's leader, once its group is assembled, cancels its own search, and the search's
-    cleanup *awaits* that DHT store before the leader may start the all-reduce. The followers
-    start at once and fill the links, so the store (a DHT round trip under load) held the
-    leader back 0.7-2.8 s at 8 peers on 25 Mbit links while every reducer waited for its
-    parts. Nothing depends on the store's reply: it is written with the declaration's own
-    expiration (nudged up), so a store that lands after the next round's declaration (a
-    later expiration) is overridden by it.
-    """
+    """Make a peer's "no longer looking for a group" DHT store fire and forget: a leader must not
+    wait a DHT round trip before its butterfly while its followers already fill the links
+    (docs/swarm.md, "Measured"). Nothing depends on the store's reply, and a late one is
+    overridden by the next round's declaration (a later expiration)."""
     if getattr(key_manager, "_dtrain_prompt", False):
         return
     declare = key_manager.declare_averager
