@@ -349,3 +349,22 @@ def test_a_reducer_named_by_a_majority_is_benched_and_a_minority_cannot_bench_an
                           aggregation="mean", compression="none", require_commitments=True,
                           refused=[f"p{i}" for i in range(200)])
     assert len(many["ref"]) == gr.MAX_REFUSED_NAMED
+
+
+def test_the_bench_list_counts_down_and_names_the_latest_refused_first():
+    """One countdown for the swarm's own refusals and a validator's audit findings: a peer is
+    named for as many rounds as it was named for, the longest-named first, then forgotten."""
+    bench = gr.BenchList()
+    bench.name(["a"], 2)
+    bench.name(["b", "c"], 3)
+    assert bench.named() == ["b", "c", "a"]
+    bench.tick()
+    assert bench.named() == ["b", "c", "a"]
+    bench.tick()
+    assert bench.named() == ["b", "c"]  # "a" served its 2 rounds
+    bench.name(["a"], 5)  # named again: its countdown starts over
+    bench.tick()
+    assert bench.named() == ["a"]
+    for _ in range(3):
+        bench.tick()
+    assert bench.named() == ["a"] and (bench.tick() or bench.named()) == []
