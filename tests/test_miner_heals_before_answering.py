@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from dtrain.neurons.miner import HEAL_IN_QUERY_S
+from dtrain.neurons.catch_up import HEAL_IN_QUERY_S
 from tests.test_modes import _config, _train
 from tests.test_neuron_parts import _PeerWithState
 
@@ -82,7 +82,7 @@ def test_a_miner_a_round_behind_answers_409_at_once_and_the_loop_catches_up(swar
     with pytest.raises(HandlerError) as behind:
         miner._do_train(_query(1, target))
     assert behind.value.status == 409 and miner.epoch == 0  # the query did not wait for a whole round's state
-    miner._run_pending_catch_up()
+    miner.catch_up.run_pending()
     assert miner.epoch == 1 and miner._near(target) and miner._checkpoint_due
     assert miner._do_train(_query(1, target)).epoch == 1
 
@@ -103,12 +103,12 @@ def test_a_drifted_miner_at_the_validators_epoch_resyncs_and_answers(swarm):
     answer = miner._do_train(_query(1, target))
     assert answer.epoch == 1 and miner._near(target) and len(answer.microbatches) >= 1
     assert miner.swarm.timeouts == [HEAL_IN_QUERY_S]  # the query waited at most this long for the state
-    assert miner._pending_catch_up is None and miner._checkpoint_due  # the loop checkpoints, not the query
+    assert miner.catch_up.pending is None and miner._checkpoint_due  # the loop checkpoints, not the query
 
 
 def test_no_matching_peer_state_gives_409_and_the_loop_keeps_trying(swarm):
     from dtrain.api.server import HandlerError
-    from dtrain.neurons.miner import CATCH_UP_ATTEMPTS
+    from dtrain.neurons.catch_up import CATCH_UP_ATTEMPTS
     from dtrain.neurons.runtime import build_workbench
     from dtrain.neurons.sync import export_state
     from dtrain.training.replica import params_sketch
@@ -121,7 +121,7 @@ def test_no_matching_peer_state_gives_409_and_the_loop_keeps_trying(swarm):
     with pytest.raises(HandlerError) as failed:
         miner._do_train(query)
     assert failed.value.status == 409 and "replica tolerance" in str(failed.value)
-    assert miner._pending_catch_up is not None and miner._catch_up_attempts == CATCH_UP_ATTEMPTS
+    assert miner.catch_up.pending is not None and miner.catch_up.attempts == CATCH_UP_ATTEMPTS
 
     # A second query at the same epoch does not wait on another catch-up: it only schedules one.
     attempts_before = []
@@ -132,8 +132,8 @@ def test_no_matching_peer_state_gives_409_and_the_loop_keeps_trying(swarm):
 
     # The training loop's attempts: failures count down, then it stops until the next query.
     for _ in range(CATCH_UP_ATTEMPTS):
-        miner._run_pending_catch_up()
-    assert len(attempts_before) == CATCH_UP_ATTEMPTS and miner._pending_catch_up is None
+        miner.catch_up.run_pending()
+    assert len(attempts_before) == CATCH_UP_ATTEMPTS and miner.catch_up.pending is None
 
 
 def test_the_loops_retry_reaches_the_swarm_once_a_peer_serves_it(swarm):
@@ -146,18 +146,18 @@ def test_the_loops_retry_reaches_the_swarm_once_a_peer_serves_it(swarm):
     stale = build_workbench(bench_config())
     miner.swarm = _PeerWithState(*export_state(stale.trainer, epoch=0))  # nobody has applied the round yet
     target = CatchUpTarget(epoch=1, sketch=params_sketch(swarm.trainer.params))
-    miner._schedule_catch_up(target)
-    miner._run_pending_catch_up()
-    assert miner.epoch == 0 and miner._pending_catch_up == target
+    miner.catch_up.schedule(target)
+    miner.catch_up.run_pending()
+    assert miner.epoch == 0 and miner.catch_up.pending == target
     miner.swarm = _PeerWithState(*export_state(swarm.trainer, epoch=1))  # now one has
-    miner._catch_up_at = 0.0
-    miner._run_pending_catch_up()
-    assert miner.epoch == 1 and miner._pending_catch_up is None and miner._near(target.sketch)
+    miner.catch_up.at = 0.0
+    miner.catch_up.run_pending()
+    assert miner.epoch == 1 and miner.catch_up.pending is None and miner._near(target.sketch)
     # and a pending target the miner has already reached is dropped without loading anything
-    miner._schedule_catch_up(CatchUpTarget(epoch=1))
+    miner.catch_up.schedule(CatchUpTarget(epoch=1))
     miner.swarm = None
-    miner._run_pending_catch_up()
-    assert miner._pending_catch_up is None
+    miner.catch_up.run_pending()
+    assert miner.catch_up.pending is None
 
 
 def test_a_miner_the_group_averaged_without_catches_up_at_once():

@@ -262,7 +262,7 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
     from dtrain.api.client import ApiError, MinerClient
     from dtrain.api.messages import RoundAuditRequest
     from dtrain.api.server import Handlers, MinerApiServer
-    from dtrain.neurons.miner import Miner
+    from dtrain.neurons.miner_api import MinerApi
     from dtrain.swarm.averaging.claims_tree import part_digest
     from dtrain.swarm.averaging.contribution import commit_parts
 
@@ -284,7 +284,7 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
     unused = functools.partial(pytest.fail, "not this endpoint")
     server = MinerApiServer(
         Handlers(status=unused, train=unused, allreduce=unused, state_slice=unused,
-                 round_audit=functools.partial(Miner._round_audit, neuron)),
+                 round_audit=MinerApi(neuron).round_audit),
         self_hotkey=wallets["miner"].hotkey.ss58_address,
         is_allowed=lambda hotkey: hotkey == wallets["validator"].hotkey.ss58_address).start()
     try:

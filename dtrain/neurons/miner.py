@@ -1,19 +1,10 @@
 """The miner neuron: train, answer validators, average gradients, push the model.
 
-Threads:
-- the *training thread* (the caller of :meth:`Miner.run`) owns the model. It trains
-  on the miner's assigned pages until the local batch is full, then waits, and runs
-  every job the API hands it (Train queries, all-reduce rounds);
-- the API server's threads authenticate requests and queue jobs (``JobQueue``);
-- the model-store pusher uploads in the background, so training never waits on it.
-
-Rounds are started by validators (``POST /v1/allreduce``): the miner puts its contribution
-into the round, weighted by its sample count, applies the same step as every other peer,
-advances its epoch, checkpoints and pushes.
-
-What is trained between rounds, what a contribution is and what step a round takes belong to
-the training mode (``self.bench.mode``, dtrain.modes: per-step gradients or DiLoCo); the
-miner asks it and never which mode it is. ``self.trainer`` is the shared replica in both.
+The training thread (the caller of :meth:`Miner.run`) owns the model: it trains on the miner's
+assigned pages and runs every job the API hands it (Train queries and all-reduce rounds,
+miner_api.py); the model-store pusher uploads in the background. What is trained between
+rounds, what a contribution is and what step a round takes belong to the training mode
+(``self.bench.mode``, dtrain.modes); the miner never asks which mode it is.
 """
 
 from __future__ import annotations
@@ -22,16 +13,15 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import TimeoutError as FuturesTimeout
 
-from dtrain import __version__
 from dtrain.api.messages import (
-    AllReduceRequest, AllReduceResponse, MicroBatchReport, RoundAuditRequest, RoundAuditResponse, StatusResponse,
-    TrainRequest, TrainResponse,
+    AllReduceRequest, AllReduceResponse, MicroBatchReport, TrainRequest, TrainResponse,
 )
 from dtrain.config import Config
-from dtrain.neurons.base import CATCH_UP_TIMEOUT_S, CatchUpTarget, NeuronBase
+from dtrain.neurons.base import CatchUpTarget, NeuronBase
+from dtrain.neurons.catch_up import CatchUps
 from dtrain.neurons.jobs import JobQueue
+from dtrain.neurons.miner_api import MinerApi
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.training.errors import DataSourceError
 from dtrain.telemetry import Telemetry
@@ -39,17 +29,7 @@ from dtrain.telemetry import Telemetry
 log = logging.getLogger("dtrain.miner")
 
 PEER_REFRESH_S = 10.0
-# The most Train pages one validator query may ask of this miner (a permitted validator is
-# trusted to query, not to freeze the training thread for a day or exhaust memory).
-MAX_QUERY_PAGES = 64
 DATA_RETRY_S = 5.0
-# A catch-up the training loop owes is tried this many times, this far apart, before it waits
-# for the next validator query (which names the state to reach).
-CATCH_UP_ATTEMPTS = 3
-CATCH_UP_RETRY_S = 5.0
-# The longest a Train query waits for a resynchronisation of a drifted replica: the
-# validator's probe phase waits for every answer before its all-reduce.
-HEAL_IN_QUERY_S = 10.0
 
 
 class Miner(NeuronBase):
@@ -65,13 +45,7 @@ class Miner(NeuronBase):
         # (epoch, answer) of the last round that averaged: a second validator's query for that
         # epoch gets the same answer (see _do_round).
         self._last_round: tuple[int, AllReduceResponse] | None = None
-        # A catch-up the training loop owes, its attempts left, and when to try it next (monotonic).
-        self._pending_catch_up: CatchUpTarget | None = None
-        self._catch_up_attempts = 0
-        self._catch_up_at = 0.0
-        # The epoch at which a Train query last waited for a resynchronisation: at most once
-        # per epoch, so queries cannot keep the training thread (or a validator) waiting on them.
-        self._healed_at_epoch: int | None = None
+        self.catch_up = CatchUps(self)  # the catch-ups this miner owes (catch_up.py)
         self._checkpoint_due = False
         self._pending_commit = None
         self._post_round = False
@@ -118,7 +92,8 @@ class Miner(NeuronBase):
             # Anything that fails from here on still tears down what was started.
             self._start_swarm(self._commitments())
             self._swarm_started()
-            self._start_api()
+            self.server, self.api_address = MinerApi(self).start()
+            self.tel.update(api=self.api_address)
             self._commit()
             self._start_pusher()
             self._start_refresher()
@@ -133,37 +108,6 @@ class Miner(NeuronBase):
         # round trip to the DHT process. A restarted node may listen elsewhere: peers read it here.
         self._maddrs = list(self.node.last_maddrs)
         self._start_progress()
-
-    def _start_api(self) -> None:
-        from dtrain.api.messages import QueryLimits
-        from dtrain.api.server import Handlers, MinerApiServer
-        from dtrain.chain.permits import ValidatorPermits
-        from dtrain.swarm.deadlines import max_accepted_deadline_s
-
-        a = self.cfg.api
-        self.server = MinerApiServer(
-            Handlers(status=self._status, train=self._train, allreduce=self._allreduce,
-                     state_slice=self._state_slice, round_audit=self._round_audit),
-            self_hotkey=self.hotkey, is_allowed=ValidatorPermits(self.chain, refresh_s=30.0),
-            host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
-            limits=QueryLimits(max_pages=MAX_QUERY_PAGES, max_deadline_s=max_accepted_deadline_s(self.cfg.allreduce)),
-        )
-        from dtrain.metrics import register
-
-        register(self.tel, self.server.registry)
-        self.server.start()
-        from dtrain.swarm.reachability import REFUSE, WARN, check_api, committed_api_address
-
-        self.api_address = committed_api_address(a.external_address, a.host, self.server.port)
-        # Committed on chain, a loopback address sends every validator to its own machine:
-        # refused here, before _commit (the CLI refused it earlier still, from the config).
-        finding = check_api(self.api_address, self.cfg.chain.network,
-                            source="api.external_address" if a.external_address else "api.host/api.port")
-        if finding.level == REFUSE:
-            raise NeuronError(finding.message)
-        if finding.level == WARN:
-            self.tel.event(f"warning: {finding.message}")
-        self.tel.update(api=self.api_address)
 
     def _commit(self) -> None:
         from dtrain.chain.base import ChainError
@@ -237,8 +181,8 @@ class Miner(NeuronBase):
                 if self.epoch % self.cfg.miner.checkpoint_every == 0:
                     self._checkpoint()
                 self._push()
-            if self._pending_catch_up is not None and time.monotonic() >= self._catch_up_at:
-                self._run_pending_catch_up()
+            if self.catch_up.due():
+                self.catch_up.run_pending()
             if self._checkpoint_due:
                 self._checkpoint_due = False
                 self._checkpoint()
@@ -339,29 +283,6 @@ class Miner(NeuronBase):
 
     # ------------------------------------------------------------------ API handlers (server threads)
 
-    def _status(self) -> StatusResponse:
-        snap = self.tel.snapshot()
-        loss = snap.loss if snap.loss is not None and math.isfinite(snap.loss) else None
-        progress = self.bench.mode.progress()
-        return StatusResponse(
-            version=__version__, uid=self.uid, epoch=self.epoch, kind="miner",
-            samples=progress.samples, samples_accumulated=self._samples_this_epoch(),
-            inner_step=progress.inner_step,
-            model_fingerprint=self.bench.fingerprint,
-            swarm_fingerprint=self.bench.swarm_fingerprint, params_digest=self._digest, peer_id=self.node.peer_id, maddrs=tuple(self._maddrs), loss=loss,
-            state=snap.state,
-        )
-
-    def _train(self, request: TrainRequest, caller: str) -> TrainResponse:
-        from dtrain.api.server import HandlerError
-
-        future = self.jobs.submit(lambda: self._do_train(request))
-        try:
-            return future.result(timeout=300)
-        except FuturesTimeout:
-            future.cancel()  # a late answer is useless to the validator: do not train it later
-            raise HandlerError(503, "training thread busy; try again") from None
-
     def _do_train(self, request: TrainRequest) -> TrainResponse:
         from dtrain.api.server import HandlerError
         from dtrain.training.data import assign_pages
@@ -372,11 +293,11 @@ class Miner(NeuronBase):
             # after a round that lost a part on its way here: not this miner's doing.
             # Resynchronise from the swarm first and answer from there, rather than fail the
             # query and be paid less for someone else's fault.
-            self._heal_before_answering(CatchUpTarget(epoch=self.epoch, sketch=sketch))
+            self.catch_up.heal_before_answering(CatchUpTarget(epoch=self.epoch, sketch=sketch))
         if request.epoch != self.epoch:
             # Behind (it missed a round) or ahead: a different replica altogether. Catching up
             # means a whole round's state, which the query does not wait for.
-            self._catch_up_if_behind(request.epoch, sketch)
+            self.catch_up.if_behind(request.epoch, sketch)
             raise HandlerError(409, f"miner is at epoch {self.epoch}, the query is for epoch {request.epoch}")
         if sketch and not self._near(sketch):
             raise HandlerError(409, "this miner's parameters differ from the validator's by more than the replica "
@@ -394,98 +315,6 @@ class Miner(NeuronBase):
         return TrainResponse(uid=self.uid, epoch=self.epoch, samples_total=self._samples_this_epoch(),
                              params_digest=self._digest, microbatches=micro)
 
-    def _allreduce(self, request: AllReduceRequest, caller: str) -> AllReduceResponse:
-        from dtrain.api.server import HandlerError
-
-        if not self._joins_rounds():
-            return AllReduceResponse(joined=False, epoch=self.epoch, round=None, reason="not joining")
-        future = self.jobs.submit(lambda: self._do_round(request))
-        try:
-            return future.result(timeout=request.deadline_s + 120)
-        except FuturesTimeout:
-            future.cancel()
-            raise HandlerError(503, "round did not finish in time") from None
-
-    def _round_audit(self, request: RoundAuditRequest, caller: str) -> RoundAuditResponse:
-        """The secret-seed audit of our last round (dtrain.swarm.averaging.audit): what we sent,
-        sketched under the validator's seed, or one part's wire bytes for a dispute. 404 when
-        that round is not the one we kept (only the last is)."""
-        import base64
-
-        from dtrain.api.server import HandlerError
-        from dtrain.swarm.averaging.audit import audit_nonce
-
-        swarm = self.swarm
-        if swarm is None or not swarm.sent_round or swarm.sent_round != request.group:
-            raise HandlerError(404, f"no committed round {request.group} kept here (only the last round is)")
-        parts = swarm.num_parts
-        if request.part is not None and request.part >= parts:
-            raise HandlerError(422, f"field 'part' must be below {parts}")
-        try:
-            if request.part is not None:
-                return RoundAuditResponse(parts=parts, wire=base64.b64encode(
-                    swarm.sent_wire(request.group, request.part)).decode())
-            sketches = swarm.sent_sketches(request.group, audit_nonce(bytes.fromhex(request.seed)))
-        except LookupError as exc:  # the averager no longer keeps it (its next round began)
-            raise HandlerError(404, f"no committed round {request.group} kept here: {exc}") from None
-        return RoundAuditResponse(parts=parts, sketches=base64.b64encode(sketches.tobytes()).decode())
-
-    def _catch_up_if_behind(self, epoch: int, sketch) -> None:
-        """A validator queried a later epoch: schedule a catch-up to its state (within tolerance)."""
-        if epoch > self.epoch:
-            self._schedule_catch_up(CatchUpTarget(epoch=epoch, sketch=tuple(sketch) if sketch else None))
-
-    def _schedule_catch_up(self, target: CatchUpTarget) -> None:
-        """Let the training loop catch up to ``target``, retrying a failed attempt a few times:
-        right after a round, the peers that could share its state may not have applied it yet."""
-        self._pending_catch_up = target
-        self._catch_up_attempts = CATCH_UP_ATTEMPTS
-        self._catch_up_at = 0.0
-
-    def _run_pending_catch_up(self) -> None:
-        target = self._pending_catch_up
-        if target is None or self._reached(target):
-            self._pending_catch_up = None  # already there (a round or another catch-up took us)
-            return
-        if self._resync(target):
-            return
-        self._catch_up_attempts -= 1
-        if self._catch_up_attempts <= 0:
-            self._pending_catch_up = None
-            self.tel.event("catch-up: giving up for now; the next validator query retries it")
-        else:
-            self._catch_up_at = time.monotonic() + CATCH_UP_RETRY_S
-
-    def _reached(self, target: CatchUpTarget) -> bool:
-        """Whether this replica is at (or, by epoch, past) a named target; never for "any newer state"."""
-        if target.epoch is None:
-            return False
-        if target.epoch != self.epoch:
-            return target.epoch < self.epoch
-        return target.sketch is None or self._near(target.sketch)
-
-    def _heal_before_answering(self, target: CatchUpTarget) -> None:
-        """Resynchronise to a Train query's replica now, within the query, at most once per epoch
-        and for at most HEAL_IN_QUERY_S (a validator's probes wait for every answer); later
-        queries that still find us apart, and a failed attempt, only schedule a catch-up."""
-        if self._healed_at_epoch == self.epoch:
-            self._schedule_catch_up(target)
-            return
-        self._healed_at_epoch = self.epoch
-        if not self._resync(target, timeout_s=HEAL_IN_QUERY_S):
-            self._schedule_catch_up(target)
-
-    def _resync(self, target: CatchUpTarget, timeout_s: float = CATCH_UP_TIMEOUT_S) -> bool:
-        """One catch-up to ``target``; on success nothing is owed any more, local training
-        restarts from the new replica, and the loop checkpoints it (disk work never delays an
-        answer)."""
-        if not self._catch_up(target, timeout_s=timeout_s):
-            return False
-        self._pending_catch_up = None
-        self._start_epoch()  # local training from the old replica no longer fits
-        self._checkpoint_due = True
-        return True
-
     def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
         self._watch_swarm(ping=False)  # a dead averager or DHT would fail the round after its whole timeout
         if self._last_round is not None and request.epoch == self._last_round[0] != self.epoch:
@@ -493,7 +322,7 @@ class Miner(NeuronBase):
             # all join its group); the first query ran it, the others get its record.
             return self._last_round[1]
         if request.epoch != self.epoch:
-            self._catch_up_if_behind(request.epoch, None)
+            self.catch_up.if_behind(request.epoch, None)
             return AllReduceResponse(joined=False, epoch=self.epoch, round=None,
                                      reason=f"miner is at epoch {self.epoch}, round is for epoch {request.epoch}")
         from dtrain.training.work import work_nonce
@@ -519,7 +348,7 @@ class Miner(NeuronBase):
             # The others took this round's step: we are a round behind from now on, and the
             # next validator's Train query would find us at the old epoch. Catch up now, not
             # when that query tells us.
-            self._schedule_catch_up(CatchUpTarget(epoch=round_epoch + 1))
+            self.catch_up.schedule(CatchUpTarget(epoch=round_epoch + 1))
         if metrics is not None:
             from dtrain.neurons.publish import round_facts
 
@@ -529,7 +358,7 @@ class Miner(NeuronBase):
                 # Part of the vector kept local values: this replica may now differ from others.
                 # (A refused reducer's share is zeros on every honest peer: no catch-up for it,
                 # which could only fetch a state that differs, the refused reducer's own.)
-                self._schedule_catch_up(CatchUpTarget())
+                self.catch_up.schedule(CatchUpTarget())
             if math.isfinite(metrics.loss):
                 self.tel.train_metrics(loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
                                        grad_norm=metrics.grad_norm, lr=metrics.lr, epoch=self.epoch,
@@ -551,22 +380,6 @@ class Miner(NeuronBase):
         mine = record.outcome_of(record.local_peer_id)
         others = sum(p.weight_used for p in record.peers if p.peer_id != record.local_peer_id)
         return len(record.group) > 1 and mine is not None and mine.value != "SUCCESS" and others > 0
-
-    def _state_slice(self, offset: int, length: int, snapshot: tuple[int, int] | None = None) -> bytes:
-        """Bytes of the current (shared) parameters, float32, for the validator's bandwidth check;
-        or, with ``snapshot`` = (epoch, step), of a committed DiLoCo snapshot for its replay."""
-        from dtrain.neurons.sync import state_slice
-
-        if snapshot is not None:
-            from dtrain.api.server import HandlerError
-            from dtrain.training.snapshots import SnapshotError
-
-            try:
-                return self.bench.mode.snapshot(snapshot[0], snapshot[1], offset, length)
-            except SnapshotError as exc:
-                raise HandlerError(404, str(exc)) from None
-        with self.model_lock:
-            return state_slice(self.trainer, offset, length)
 
     # ------------------------------------------------------------------ helpers
 
