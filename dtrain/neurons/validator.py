@@ -1,36 +1,11 @@
 """The validator neuron: its lifecycle, and one validation round as a list of phases.
 
-This module runs the validator (wallet, model, chain, swarm; the round loop on the shared
-round clock; shutdown), keeps its replica in step (catch-up, the round's step), scores, sets
-weights and persists its state. One round (``Validator._round``), top to bottom:
-
-1. read the metagraph and the miners' commitments; choose the miners to check;
-2. ask where they are, and follow the swarm if most are at a later epoch;
-3. probe each miner: a signed Train challenge (a fresh nonce, from which the pages follow),
-   and a state-slice download for bandwidth and replica distance; check the slices, ask
-   again where the miners whose answers did not fit are now;
-4. verify: recompute a random subset of each miner's micro-batches on this validator's own
-   replica and compare losses and gradient fingerprints; resynchronise if this replica is
-   the one that drifted;
-5. all-reduce: ask the miners to join a round and join it with weight 0. Each miner commits
-   there to the work its contribution came from; peers refuse a contribution that does not
-   match it (the swarm's contribution check). A round another validator's round overtook
-   is not scored: catch up and run it again;
-6. audit the committed work on the pre-step replica (the mode's audit, dtrain.modes), update
-   probation, then take the round's step, so this replica stays in step;
-7. assess and score (``dtrain.validation.scoring``), smooth, turn into weights, and set them
-   on chain at the rate limit; persist everything.
-
-Where things live:
-
-- the I/O of each phase: ``dtrain.neurons.validation_round`` (one function per phase, with
-  explicit inputs; each miner's findings on its ``Probe``);
-- the decisions that steer the round (whom to check, following the swarm, drift, stale
-  answers, weight caps, overtaken rounds, probation notes, each miner's outcome, note and
-  scoring input): ``dtrain.validation.round_rules``;
-- what each piece of evidence means (a Train answer, an audit, the work verdict, probation,
-  the scoring input): ``dtrain.validation.verification``;
-- scores, the EMA and weights: ``dtrain.validation.scoring`` and ``dtrain.validation.weights``.
+It runs the validator (wallet, model, chain, swarm; the round loop on the shared round clock;
+shutdown), keeps its replica in step, scores, sets weights and persists its state.
+``Validator._round`` reads top to bottom as the round's phases: their I/O is
+dtrain.neurons.validation_round and validation_audit, their decisions are
+dtrain.validation.round_rules and verification, scores and weights dtrain.validation.scoring
+and weights (docs/architecture.md, "Where verification lives").
 """
 
 from __future__ import annotations
@@ -44,6 +19,7 @@ import time
 
 from dtrain.chain.base import ChainClientBug
 from dtrain.config import Config
+from dtrain.neurons import validation_audit as audits
 from dtrain.neurons import validation_round as phases
 from dtrain.neurons.base import CatchUpTarget, NeuronBase
 from dtrain.neurons.runtime import NeuronError, node_dir
@@ -87,6 +63,23 @@ class Validator(NeuronBase):
     def run(self) -> int:
         import torch
 
+        if not self._start():
+            return 0  # stopped (Ctrl-C) while an input or the chain was unavailable
+        self.swarm = None
+        try:
+            self._start_swarm(self._commitments())
+            self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
+            self._serve_metrics()
+            self.tel.update(state="validating")
+            self._restore_dashboard()
+            self._validate()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _start(self) -> bool:
+        """Wallet, model and tokenizer, chain registration, state, data and the API client; False
+        when stopped on the way (a missing model or tokenizer is reported before the chain is reached)."""
         from dtrain.api.client import MinerClient
         from dtrain.neurons import runtime
         from dtrain.validation.state import ValidatorState, load_state
@@ -95,18 +88,17 @@ class Validator(NeuronBase):
         self.tel.update(state="loading wallet", network=cfg.chain.network, netuid=cfg.chain.netuid)
         self.wallet = runtime.load_wallet(cfg)
         self.hotkey = self.wallet.hotkey.ss58_address
-        # The model and tokenizer first: a missing one is reported before the chain is reached.
         self.tel.update(hotkey=self.hotkey)
         ok, self.bench = self._with_input_retries(lambda: runtime.build_workbench(cfg),
                                                   "loading the tokenizer and model")
         if not ok:
-            return 0  # stopped (Ctrl-C) while the Hub was unreachable
+            return False
         self.trainer = self.bench.trainer
         self.tel.update(state="connecting to chain")
         self._open_chain(self.wallet)
         self.uid = self._wait_for_registration(need_permit=True)
         if self.uid is None:
-            return 0  # stopped (Ctrl-C) while waiting for the chain
+            return False
         self.dir = node_dir(cfg, "validator", self.hotkey)
         self.state_path = self.dir / "state.json"
         self.state = load_state(self.state_path) if self.state_path.exists() else ValidatorState()
@@ -119,44 +111,42 @@ class Validator(NeuronBase):
 
         ok, self.eval_tokens = self._with_input_retries(first_pages, "opening the dataset")
         if not ok:
-            return 0  # stopped (Ctrl-C) while the data source was unavailable
+            return False
         self.client = MinerClient(self.wallet, timeout=max(60.0, round_deadline_s(cfg.allreduce) + 60))
-        self.swarm = None
-        try:
-            self._start_swarm(self._commitments())
-            self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
-            if cfg.api.metrics_port:
-                from dtrain.metrics import serve
+        return True
 
-                try:
-                    serve(self.tel, cfg.api.host, cfg.api.metrics_port)
-                except OSError as exc:
-                    self.tel.event(f"metrics endpoint not started on port {cfg.api.metrics_port}: {exc}")
-            self.tel.update(state="validating")
-            self._restore_dashboard()
-            rounds = 0
-            while not self.stop.is_set() and (self.max_rounds is None or rounds < self.max_rounds):
-                self._watch_swarm()
-                self.tel.update(state="waiting for the next round")
-                self._slot_start = next_round_start(time.time(), cfg.validator.round_interval_s)
-                self.stop.wait(max(0.0, self._slot_start - time.time()))
-                if self.stop.is_set():
-                    break
-                try:
-                    finished = self._round()
-                except ChainClientBug:
-                    raise  # a bug in dtrain or an unsupported SDK: every round would fail alike
-                except Exception as exc:
-                    # One bad round (a hostile miner, a data hiccup) must not end validation.
-                    log.exception("validation round failed")
-                    self.tel.event(f"round failed: {type(exc).__name__}: {exc}")
-                    finished = True
-                # A round another validator's round overtook is not scored and does not count.
-                rounds += 1 if finished else 0
-                self._write_status()
-        finally:
-            self._shutdown()
-        return 0
+    def _serve_metrics(self) -> None:
+        port = self.cfg.api.metrics_port
+        if port:
+            from dtrain.metrics import serve
+
+            try:
+                serve(self.tel, self.cfg.api.host, port)
+            except OSError as exc:
+                self.tel.event(f"metrics endpoint not started on port {port}: {exc}")
+
+    def _validate(self) -> None:
+        """Round after round on the shared round clock, until stopped (or ``max_rounds``)."""
+        rounds = 0
+        while not self.stop.is_set() and (self.max_rounds is None or rounds < self.max_rounds):
+            self._watch_swarm()
+            self.tel.update(state="waiting for the next round")
+            self._slot_start = next_round_start(time.time(), self.cfg.validator.round_interval_s)
+            self.stop.wait(max(0.0, self._slot_start - time.time()))
+            if self.stop.is_set():
+                break
+            try:
+                finished = self._round()
+            except ChainClientBug:
+                raise  # a bug in dtrain or an unsupported SDK: every round would fail alike
+            except Exception as exc:
+                # One bad round (a hostile miner, a data hiccup) must not end validation.
+                log.exception("validation round failed")
+                self.tel.event(f"round failed: {type(exc).__name__}: {exc}")
+                finished = True
+            # A round another validator's round overtook is not scored and does not count.
+            rounds += 1 if finished else 0
+            self._write_status()
 
     def _shutdown(self) -> None:
         self.tel.update(state="stopping")
@@ -195,16 +185,7 @@ class Validator(NeuronBase):
 
         # The Train challenge and state slices, checked against this replica.
         self.tel.update(state=f"round {round_no}: Train queries")
-        challenge = phases.challenge(self.trainer, self.cfg, epoch=self.epoch, digest=self._digest,
-                                     sketch=self._params_sketch())
-        phases.probe(self.client, probes, challenge, swarm_fingerprint=self.bench.swarm_fingerprint,
-                     slice_bytes=self.cfg.validator.slice_bytes)
-        phases.check_slices(probes, self.trainer, challenge.rms)
-        phases.spot_moved_on(self.client, probes, self.epoch)
-        t0 = time.perf_counter()
-        phases.verify(probes, self.bench, self.cfg, challenge)
-        verify_s = time.perf_counter() - t0
-        self._resync_if_alone(probes)
+        verify_s = self._probe_and_verify(probes)
 
         # The all-reduce, joined with weight 0; unscored if another validator's round ran first.
         record, averaged = self._allreduce(probes, round_no, commitments)
@@ -214,18 +195,7 @@ class Validator(NeuronBase):
         # Audit the committed work on the pre-step replica, then take the round's step.
         self.tel.update(state=f"round {round_no}: auditing committed work")
         t0 = time.perf_counter()
-        from dtrain.swarm.averaging.audit import PROVEN_BENCH_ROUNDS
-        from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS
-
-        # The group's other miners (queried by other validators) are asked too, so a part that
-        # one of them is in can still be checked; validators are not asked (they keep nothing).
-        miners = {n.hotkey for n in neurons if not n.validator_permit}
-        others = {c.peer_id: (c.api, hotkey) for hotkey, c in commitments.items() if hotkey in miners}
-        found = phases.round_audit(self.client, self.swarm, probes, record, averaged, others=others)
-        self._audit_refused.tick()
-        for peer in (found.problems if found is not None else ()):
-            self._audit_refused.name([peer], PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS)
-        phases.audit(self.client, self.bench.mode, probes, record, self.epoch)
+        self._audit(probes, record, averaged, neurons, commitments)
         audit_s = time.perf_counter() - t0
         self.state.probation = phases.update_probation(probes, self.state.probation, round_no)
         self._take_step(record, averaged)
@@ -236,13 +206,47 @@ class Validator(NeuronBase):
         weights = self._set_weights(neurons)
         summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
         summary["audit_s"] = round(audit_s, 3)
-        self.state.add_round(summary)
+        self._persist(round_no, summary, loss_before, loss_after)
+        return True
+
+    def _probe_and_verify(self, probes: list[Probe]) -> float:
+        """Train challenges and state slices, checked against this replica, then the recomputed
+        micro-batches; resynchronise if this replica is the one that drifted. The seconds verifying."""
+        challenge = phases.challenge(self.trainer, self.cfg, epoch=self.epoch, digest=self._digest,
+                                     sketch=self._params_sketch())
+        phases.probe(self.client, probes, challenge, swarm_fingerprint=self.bench.swarm_fingerprint,
+                     slice_bytes=self.cfg.validator.slice_bytes)
+        phases.check_slices(probes, self.trainer, challenge.rms)
+        phases.spot_moved_on(self.client, probes, self.epoch)
+        t0 = time.perf_counter()
+        phases.verify(probes, self.bench, self.cfg, challenge)
+        verify_s = time.perf_counter() - t0
+        self._resync_if_alone(probes)
+        return verify_s
+
+    def _persist(self, round_no: int, summary: dict, loss_before: float, loss_after: float) -> None:
         from dtrain.validation.state import save_state
 
+        self.state.add_round(summary)
         save_state(self.state_path, self.state)
         self.tel.event(f"round {round_no}: {summary['status']}, {len(summary['participants'])} participants, "
                        f"eval loss {loss_before:.3f} -> {loss_after:.3f}")
-        return True
+
+    def _audit(self, probes: list[Probe], record, averaged, neurons, commitments: dict) -> None:
+        """The round audit (the peers it proves at fault are named to the miners next round), then
+        the work audit (dtrain.neurons.validation_audit)."""
+        from dtrain.swarm.averaging.audit import PROVEN_BENCH_ROUNDS
+        from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS
+
+        # The group's other miners (queried by other validators) are asked too, so a part that
+        # one of them is in can still be checked; validators are not asked (they keep nothing).
+        miners = {n.hotkey for n in neurons if not n.validator_permit}
+        others = {c.peer_id: (c.api, hotkey) for hotkey, c in commitments.items() if hotkey in miners}
+        found = audits.round_audit(self.client, self.swarm, probes, record, averaged, others=others)
+        self._audit_refused.tick()
+        for peer in (found.problems if found is not None else ()):
+            self._audit_refused.name([peer], PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS)
+        audits.audit(self.client, self.bench.mode, probes, record, self.epoch)
 
     def _follow_the_swarm(self, probes: list[Probe]) -> None:
         """If most miners asked are at a later epoch than ours, adopt a peer's state at it
