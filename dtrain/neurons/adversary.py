@@ -1,51 +1,14 @@
-"""Cheating miners, for tests and ``dtrain sandbox --adversary KIND``.
+"""Cheating miners, for tests and ``dtrain sandbox --adversary KIND`` (``MINERS`` lists the kinds).
 
-Each kind misbehaves in one way, so validator operators can watch the scoring catch it.
-They are subclasses of the honest :class:`~dtrain.neurons.miner.Miner` that override one
-of its seams; the honest code paths never ask which kind they are. A cheat that differs by
-training mode (``sandbagger``) brings its own subclasses of the modes (dtrain.modes),
-handed to ``build_workbench(modes=...)``, so neither the miner nor the cheat asks which mode
-it runs.
-
-Answering validators:
-
-- ``lazy``: never trains; fabricates losses and fingerprints.
-- ``wrong-model``: trains a different architecture.
-- ``copycat``: answers a Train challenge with another miner's pages (the neighbouring uid's).
-- ``freeloader``: trains and answers, but never joins the averaging.
-
-What goes into the all-reduce (each trains and answers Train queries honestly, and joins only
-a round it has trained for: see ``_AlteredContribution``):
-
-- ``inflated-weight``: claims a huge sample count.
-- ``poisoner``: sends scaled, noisy gradients.
-- ``sign-flip``: sends the negated mean gradient (same norm).
-- ``zero``: sends a zero gradient with its honest weight.
-- ``rescale``: sends its mean gradient times ``RESCALE``.
-- ``noisy``: adds Gaussian noise of ``NOISE_RATIO`` times the gradient's norm.
-- ``replay``: sends the contribution of its previous round again.
-- ``sandbagger``: trains one page of its local batch, and commits a work report naming the
-  whole batch (the right page ids, sketches made up to match what it sends). In DiLoCo mode
-  it takes one inner step and commits H, each repeating the real one.
-- ``wrong-pages``: trains on other pages than its own (the next page id) and commits its own
-  page ids: the audit's recomputation (a DiLoCo replay) runs on the assigned pages.
-- ``nullspace-sender``: sends its mean plus, part by part, a vector in the null space of the
-  part's public range sketch (under the epoch's work nonce): ``mean - NULLSPACE_SCALE * P(mean)``
-  with P that projection. Every public check (claims, binding, page audits) sees its honest
-  mean; what it sends points against it. Only a sketch under a secret seed can catch it.
-
-As a reducer (each trains, answers and sends honestly; what it returns for its share is not
-the combination it states):
-
-- ``negating-reducer``: returns every averaged part of its share negated.
-- ``scaling-reducer``: returns every averaged part times ``REDUCER_SCALE``.
-- ``nullspace-reducer``: returns every averaged part reflected through its public sketch's
-  null space (about negated), so the part's public sketch, and with it its account, is unchanged.
-
-Not a cheat: ``fused-adamw`` is an honest miner whose optimizer is torch's fused AdamW (what
-CUDA miners run) while everyone else runs the plain one: "other hardware" in the sandbox.
-
-Enabled only by the hidden ``--adversary`` flag of ``dtrain mine``, never by configuration.
+Each kind misbehaves in one way, so validator operators can watch the scoring catch it
+(docs/scoring.md, "Adversaries"): some answer validators falsely (``lazy``, ``wrong-model``,
+``copycat``, ``freeloader``), some alter what they send into the all-reduce, joining only rounds
+they trained for (``_AlteredContribution`` and the others down to ``nullspace-sender``), and
+some alter what they return as reducers (``negating-reducer``, ``scaling-reducer``,
+``nullspace-reducer``). ``fused-adamw`` is no cheat: an honest miner on another optimizer
+kernel, the sandbox's "other hardware". Each overrides one seam of the honest Miner, its
+modes (``build_workbench(modes=...)``) or its round's mechanisms (``_mechanisms``); the honest
+code never asks which kind it runs. Enabled only by ``dtrain mine``'s hidden ``--adversary``.
 """
 
 from __future__ import annotations

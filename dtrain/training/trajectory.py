@@ -157,36 +157,8 @@ class TrajectoryReport:
         if len(steps_in) > MAX_REPORT_PAGES:
             raise WorkReportError(f"trajectory names {len(steps_in)} steps, more than {MAX_REPORT_PAGES}")
         start = _unpack(data.get("c0"), k, "start sketch")
-        steps, last_counter, total_pages = [], -1, 0
-        for entry in steps_in:
-            if not (isinstance(entry, list) and len(entry) == 6):
-                raise WorkReportError("each step must be [counters, pages, samples, loss, update sketch, gradient sketch]")
-            counters, pages, samples, loss, blob, grad_blob = entry
-            if not (isinstance(counters, list) and isinstance(pages, list) and 1 <= len(counters) == len(pages)
-                    <= MAX_STEP_PAGES):
-                raise WorkReportError("a step needs matching, non-empty counter and page lists")
-            total_pages += len(pages)
-            if total_pages > MAX_REPORT_PAGES:  # the same bound a per-step report has on its pages
-                raise WorkReportError(f"trajectory names more than {MAX_REPORT_PAGES} pages")
-            if not all(_int(x) and x >= 0 for x in (*counters, *pages)):
-                raise WorkReportError("page counters and ids must be non-negative integers")
-            for c in counters:
-                if c <= last_counter:
-                    raise WorkReportError("page counters must be strictly increasing across the steps")
-                last_counter = c
-            if not (_int(samples) and samples >= 1):
-                raise WorkReportError("step samples must be an integer >= 1")
-            if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
-                raise WorkReportError("step loss must be a finite number")
-            steps.append(InnerStepWork(counters=tuple(counters), pages=tuple(pages), samples=samples,
-                                       loss=float(loss), sketch=_unpack(blob, k, "step sketch"),
-                                       grad_sketch=_unpack(grad_blob, k, "step gradient sketch")))
-        snapshots = []
-        for entry in snaps_in:
-            if not (isinstance(entry, list) and len(entry) == 3 and _int(entry[0])):
-                raise WorkReportError("each snapshot must be [step, exp_avg sketch, exp_avg_sq sketch]")
-            snapshots.append(SnapshotCommit(step=entry[0], exp_avg=_unpack(entry[1], k, "snapshot sketch"),
-                                            exp_avg_sq=_unpack(entry[2], k, "snapshot sketch")))
+        steps = _steps_from_wire(steps_in, k)
+        snapshots = _snapshots_from_wire(snaps_in, k)
         # A snapshot before every stretch of `every` steps: the replay of any step starts at one.
         wanted = list(range(0, len(steps), every))
         if [s.step for s in snapshots] != wanted:
@@ -194,17 +166,7 @@ class TrajectoryReport:
         t0 = data.get("t0", 0)
         if not (_int(t0) and 0 <= t0 <= MAX_OPTIMIZER_STEPS):
             raise WorkReportError(f"'t0' must be an integer from 0 to {MAX_OPTIMIZER_STEPS}")
-        carry = None
-        carry_in = data.get("carry")
-        if steps:
-            if not (isinstance(carry_in, list) and len(carry_in) == 3 and _int(carry_in[0])
-                    and carry_in[0] == t0 + len(steps)):
-                raise WorkReportError("a trajectory with steps must carry [t0 + steps, exp_avg sketch, "
-                                      "exp_avg_sq sketch] of its end moments")
-            carry = SnapshotCommit(step=carry_in[0], exp_avg=_unpack(carry_in[1], k, "carry sketch"),
-                                   exp_avg_sq=_unpack(carry_in[2], k, "carry sketch"))
-        elif carry_in is not None:
-            raise WorkReportError("a trajectory without steps carries no moments")
+        carry = _carry_from_wire(data.get("carry"), t0 + len(steps) if steps else None, k)
         return cls(epoch=epoch, every=every, start=start, steps=tuple(steps), snapshots=tuple(snapshots),
                    t0=t0, carry=carry)
 
@@ -212,6 +174,58 @@ class TrajectoryReport:
     def empty(cls, epoch: int, k: int = WORK_SKETCH_K) -> "TrajectoryReport":
         """What a peer that brings no work (a validator, weight 0) commits."""
         return cls(epoch=int(epoch), every=1, start=(0.0,) * k)
+
+
+def _steps_from_wire(steps_in: list, k: int) -> list:
+    """The inner steps of a trajectory's wire form, bounded and checked."""
+    steps, last_counter, total_pages = [], -1, 0
+    for entry in steps_in:
+        if not (isinstance(entry, list) and len(entry) == 6):
+            raise WorkReportError("each step must be [counters, pages, samples, loss, update sketch, gradient sketch]")
+        counters, pages, samples, loss, blob, grad_blob = entry
+        if not (isinstance(counters, list) and isinstance(pages, list) and 1 <= len(counters) == len(pages)
+                <= MAX_STEP_PAGES):
+            raise WorkReportError("a step needs matching, non-empty counter and page lists")
+        total_pages += len(pages)
+        if total_pages > MAX_REPORT_PAGES:  # the same bound a per-step report has on its pages
+            raise WorkReportError(f"trajectory names more than {MAX_REPORT_PAGES} pages")
+        if not all(_int(x) and x >= 0 for x in (*counters, *pages)):
+            raise WorkReportError("page counters and ids must be non-negative integers")
+        for c in counters:
+            if c <= last_counter:
+                raise WorkReportError("page counters must be strictly increasing across the steps")
+            last_counter = c
+        if not (_int(samples) and samples >= 1):
+            raise WorkReportError("step samples must be an integer >= 1")
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
+            raise WorkReportError("step loss must be a finite number")
+        steps.append(InnerStepWork(counters=tuple(counters), pages=tuple(pages), samples=samples,
+                                   loss=float(loss), sketch=_unpack(blob, k, "step sketch"),
+                                   grad_sketch=_unpack(grad_blob, k, "step gradient sketch")))
+    return steps
+
+
+def _snapshots_from_wire(snaps_in: list, k: int) -> list:
+    snapshots = []
+    for entry in snaps_in:
+        if not (isinstance(entry, list) and len(entry) == 3 and _int(entry[0])):
+            raise WorkReportError("each snapshot must be [step, exp_avg sketch, exp_avg_sq sketch]")
+        snapshots.append(SnapshotCommit(step=entry[0], exp_avg=_unpack(entry[1], k, "snapshot sketch"),
+                                        exp_avg_sq=_unpack(entry[2], k, "snapshot sketch")))
+    return snapshots
+
+
+def _carry_from_wire(carry_in, end_step, k: int):
+    """The end moments a trajectory with steps carries (at ``end_step`` = t0 + steps); None without steps."""
+    if end_step is None:
+        if carry_in is not None:
+            raise WorkReportError("a trajectory without steps carries no moments")
+        return None
+    if not (isinstance(carry_in, list) and len(carry_in) == 3 and _int(carry_in[0]) and carry_in[0] == end_step):
+        raise WorkReportError("a trajectory with steps must carry [t0 + steps, exp_avg sketch, "
+                              "exp_avg_sq sketch] of its end moments")
+    return SnapshotCommit(step=carry_in[0], exp_avg=_unpack(carry_in[1], k, "carry sketch"),
+                          exp_avg_sq=_unpack(carry_in[2], k, "carry sketch"))
 
 
 @dataclass(frozen=True)

@@ -74,13 +74,10 @@ def lapsed_followers(deadlines: dict[str, float], now: float, request_timeout: f
     """Followers a leader must leave out of the group it forms at ``now`` (DHT time).
 
     A follower waits for its leader's BEGIN until its own request's expiration plus
-    ``request_timeout``, then gives up and goes on without this group. hivemind's leader
-    forms its group by its own expiration, which is never later than any follower's; but a
-    leader whose event loop was held up (a loaded host) can form it later, and then counted
-    in members that had already left. The group then waited for their parts, and every
-    reducer recorded an honest peer FAIL ("banned as sender") for a hivemind race. A
-    follower whose deadline is within half a ``request_timeout`` (the BEGIN's time on the
-    wire) is therefore left out: it is told the group was disbanded, if it still listens.
+    ``request_timeout``, then goes on without this group; a leader held up past that must not
+    count it in (the group would wait for its parts and blame it). A follower whose deadline is
+    within half a ``request_timeout`` (the BEGIN's time on the wire) is left out: it is told the
+    group was disbanded, if it still listens (docs/swarm.md, "Measured").
 
     ``deadlines``: follower -> the expiration its join request named.
     """

@@ -1,16 +1,11 @@
 """Robust aggregation of one all-reduce part: weighted CenteredClip.
 
-A reducer receives the same slice (a *part*) of every sender's contribution. Plain
-weighted averaging lets one sender move the result arbitrarily far; CenteredClip
-(Karimireddy, He and Jaggi 2021, used per part by BTARD-SGD) bounds the pull of any one
-sender to ``tau * weight / total_weight`` per iteration, so a contribution that slipped
-past every check (negated, scaled up to the out-of-scale limit, crafted) moves the result
-by at most about the honest spread.
-
-The iteration starts from the coordinate-wise median of the senders that bring weight and
-uses ``tau = TAU_SCALE x`` the median distance of those senders from that start, so honest
-contributions are clipped little and a far outlier a lot. ``benchmarks/robust_aggregation.py``
-measures what it does to training with and without an attacker.
+CenteredClip (Karimireddy, He and Jaggi 2021, used per part by BTARD-SGD) bounds the pull of any
+one sender to ``tau * weight / total_weight`` per iteration, so a contribution that slipped past
+every check moves the result by about the honest spread. It starts from the coordinate-wise
+median of the weighted senders with ``tau = TAU_SCALE x`` their median distance from it.
+docs/swarm.md, "Robust aggregation (CenteredClip)", has the rule, its cost and
+``benchmarks/robust_aggregation.py``'s figures.
 """
 
 from __future__ import annotations
@@ -39,26 +34,12 @@ def clip_account(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ite
     """Weighted CenteredClip of equally shaped ``parts``, with its account.
 
     Returns ``(result, coefficients, tau)``: ``result`` (float32) is ``sum_i c_i parts_i`` with
-    ``c`` (float64, one per part, >= 0, summing to 1) the *coefficients*, and ``tau`` the clip
-    radius (0 where no clipping applied). A reducer publishes the coefficients and ``tau`` with
-    each averaged part, so that every receiver can check the part against the senders' claims
-    (runner.py, "accountable reducers").
-
-    Senders with weight 0 are left out (coefficient 0). With fewer than three weighted senders no
-    majority exists to clip against, and the weighted mean is returned; with none at all, the
-    plain mean of every part (validators only: it is all zeros).
-
-    The iteration ``v += sum_i share_i min(1, tau / |x_i - v|) (x_i - v)`` starts at the
-    coordinate-wise median ``v0`` and never leaves ``v0 + span(x_i - v0)``: ``v = v0 + D^T a``
-    with ``D`` the senders' offsets from ``v0``. So it runs on the n coefficients ``a``, with
-    every distance read off the n x n Gram matrix ``G = D D^T`` (``|x_i - v|^2 = G_ii - 2 (G a)_i
-    + a^T G a``). The median is no linear combination of the parts, so ``v`` itself is not
-    accountable; the result is the fixed-point map at the last iterate instead,
-    ``sum_i c_i x_i`` with ``c_i`` proportional to ``share_i min(1, tau / |x_i - v|)``. At the
-    fixed point (which the iteration reaches to ``CONVERGED``) the two are the same vector,
-    and the result is a convex combination of the parts by construction. A part costs one pass
-    for the offsets, one matrix product and one combination, whatever the number of
-    iterations (docs/swarm.md, "CPU per byte").
+    ``c`` (float64, >= 0, summing to 1) the coefficients a reducer publishes with the part, and
+    ``tau`` the clip radius (0 where no clipping applied). Senders with weight 0 get 0; below
+    three weighted senders it is the weighted mean; with none, the plain mean. The iteration runs
+    on the senders' n coefficients over their Gram matrix, and the result is the fixed-point map
+    at its last iterate, a convex combination by construction (docs/swarm.md, "Robust
+    aggregation (CenteredClip)").
     """
     if not parts:
         raise ValueError("centered_clip needs at least one part")

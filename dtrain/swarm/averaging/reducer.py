@@ -125,11 +125,8 @@ class CheckedReducer:
         self.current_part_accumulated_from += 1
         self.denominator += w
         self.check_current_part_finished()
-        # Every sender of this part waits on the same future. Shielded: a sender whose stream
-        # handler is cancelled (its peer hung up, crashed or was killed) must end only its own
-        # wait. Awaited bare, the cancellation cancelled the shared future: every other sender
-        # of the part failed with it (the runner banned honest peers, "banned as sender"), the
-        # last sender's part could not be set, and this share never finished.
+        # Every sender of this part waits on the same future, shielded: a sender whose handler is
+        # cancelled (its peer hung up or died) ends only its own wait, never the part for the others.
         result = await asyncio.shield(current_part_future)
         if isinstance(result, asyncio.Future):
             # robust aggregation runs in a worker thread (check_current_part_finished): the part
