@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages, permute
+from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
 from dtrain.training.errors import DataSourceError
+from dtrain.training.permutation import permute
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,8 @@ def test_missing_files_and_wrong_field_are_clear_errors(tmp_path, tokenizer):
 def test_an_offline_hub_dataset_names_the_dataset_the_setting_and_the_local_way_out(opener):
     # HF_HUB_OFFLINE makes the real datasets path fail at once instead of retrying
     code = (
-        "from dtrain.training.data import DataSource, open_stream, resolve_data_files\n"
+        "from dtrain.training.data import DataSource\n"
+        "from dtrain.training.dataset_access import open_stream, resolve_data_files\n"
         "from dtrain.training.errors import DataSourceError\n"
         "src = DataSource(path='no-such-org/no-such-dataset', name='x')\n"
         f"try:\n    {opener}\n"

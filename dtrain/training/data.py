@@ -1,82 +1,10 @@
-"""Data sources, pages, and the pure page-assignment function.
+"""Pages of training text: where the text comes from (``DataSource``), what a page is
+(``PageSpec``), how pages are read and tokenised (``PageReader``), and which pages a miner
+trains (``assign_pages``).
 
-One definition of a page serves the live subnet and the sandbox; two readers
-materialise it:
-
-- parquet shards (FineWeb on the Hub: ``HuggingFaceFW/fineweb``, ``sample-350BT``; local
-  ``*.parquet`` files) are read by row group (dtrain.training.parquet_pages): a page
-  read costs the same wherever the page lies in its shard;
-- anything else (local text files through the ``text`` builder, a Hub dataset that is
-  not parquet) is read with ``datasets.load_dataset(..., streaming=True)`` and
-  ``.shard().skip().take()``, which costs O(position in the shard).
-
-Both give the same documents for the same file and window (tests compare them).
-
-Pages
------
-A streaming dataset cannot be indexed, but it can be split into shards (one per
-data file, ``IterableDataset.shard``) and read from a record offset within a
-shard (``.skip``). A *page* is therefore a window of documents:
-
-    page p  ->  shard  s = p mod n_shards,  window w = p div n_shards
-    documents [w * docs_per_page, (w + 1) * docs_per_page) of shard s
-
-The window's documents are tokenised (no special tokens), each followed by the
-EOS token, concatenated, and the first ``page_sequences * seq_len`` tokens are cut
-into a [page_sequences, seq_len] tensor. If a window holds fewer tokens, its token
-stream is repeated (deterministically) to fill the page. A page depends only on
-the dataset files and the tokenizer, so any process can rebuild it.
-
-Files and revisions
--------------------
-A Hub dataset's files are listed by the ``datasets`` machinery
-(``load_dataset_builder(path, name, revision=...)``, its ``config.data_files``): the
-same list, in the same order, that ``load_dataset(..., streaming=True)`` shards by.
-``DataSource.revision`` (config ``data.dataset_revision``, a branch, tag or commit)
-pins it; empty means the Hub's default branch, which can move under a running swarm,
-so a live run should pin a commit. Remote parquet files are opened through
-huggingface_hub's HfFileSystem (it honours ``HF_ENDPOINT``), so pyarrow fetches only
-the byte ranges it needs: the footer once, then the text column of one or two row
-groups per page. Local files have no revision; their names and sizes enter the swarm
-fingerprint instead (``DataSource.identity``).
-
-Page count
-----------
-``num_pages = n_shards * windows_per_shard``, and every peer must compute the same
-value. When ``PageSpec.windows_per_shard`` is not given:
-
-- local files: the smallest shard sets it (so every page is a real window). Parquet
-  row counts come from the footers (cheap); text files are counted by streaming them
-  once;
-- Hub datasets: REMOTE_WINDOWS_PER_SHARD, without reading anything. Reading the
-  footer of each of FineWeb's hundreds of multi-GB shards at every start would cost
-  hundreds of requests before the first page, and the value is also the page space
-  peers already agree on; changing it changes every assignment, so it would need a
-  new ASSIGNMENT_VERSION. Row-group reads make a larger value affordable later.
-
-A window beyond the end of a shorter shard wraps around that shard's complete
-windows.
-
-Caching
--------
-Validators re-read the pages they challenge and audit, so ``PageReader`` keeps the
-token lists of the last ``cache_pages`` pages (a bounded LRU), and the parquet reader
-keeps its open files, their footers and the last decoded row groups (bounded too).
-
-Failures
---------
-Every failure is a DataSourceError whose ``transient`` flag says whether retrying
-can help (timeouts, connection errors, HTTP 5xx/429) or not (no such dataset, file
-or text field). ``PageReader.open`` touches the source once at start-up; neurons
-call it through ``dtrain.neurons.runtime.retry_data``, which retries
-transient failures with backoff until they pass or the neuron is stopped.
-
-Assignment
-----------
-See ``assign_pages``: a keyed pseudo-random permutation (Feistel network with
-cycle-walking, SHA-256 round function) of the page space, applied to the slot
-``page_counter * max_uids + uid``. A miner's *page counter* is how many of its
-pages it has trained this epoch; it restarts at 0 with every epoch.
+A page is a window of documents of one shard, tokenised and packed into a
+[page_sequences, seq_len] tensor that any process rebuilds identically. docs/training.md
+("Data", "Pages", "Assignment") defines pages, the page count, the two readers and their caches.
 """
 
 from __future__ import annotations
@@ -90,7 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from dtrain.training.dataset_access import open_stream, resolve_data_files
 from dtrain.training.errors import DataSourceError, describe_error, is_transient
+from dtrain.training.permutation import permute
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +32,7 @@ FINEWEB_CONFIG = "sample-350BT"
 ASSIGNMENT_VERSION = "dtrain/pages/v1"
 # Windows per shard assumed for remote (Hub) sources when PageSpec leaves it unset:
 # 1024 windows x 32 docs = the first ~32k documents of each FineWeb parquet shard.
-# It fixes the page space without reading any footer (see "Page count" above).
+# It fixes the page space without reading any footer (docs/training.md, "Pages").
 REMOTE_WINDOWS_PER_SHARD = 1024
 # Page token lists a PageReader keeps (LRU): at 8k tokens a page, 256 pages are ~16 MB.
 DEFAULT_CACHE_PAGES = 256
@@ -174,103 +104,6 @@ class DataSource:
                 + (f" at revision {self.revision}" if self.revision else ""))
 
 
-def _check_local_files(source: DataSource) -> None:
-    if source.data_files is None:
-        return
-    missing = [f for f in source.data_files
-               if "://" not in f and not any(c in f for c in "*?[") and not os.path.exists(f)]
-    if missing:
-        raise DataSourceError(
-            f"data file(s) not found: {', '.join(missing[:5])}; check the data_files setting"
-        )
-
-
-def _hub_offline() -> bool:
-    # With HF_HUB_OFFLINE (hub_access.offline_mode) or datasets' own HF_DATASETS_OFFLINE set,
-    # waiting never brings the Hub back (datasets reports it as a plain ConnectionError): a
-    # setting to change, not an outage.
-    from dtrain.training.hub_access import offline_mode
-
-    return offline_mode() or os.environ.get("HF_DATASETS_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _hub_dataset_problem(source: DataSource, exc: BaseException) -> str:
-    """What went wrong opening a Hub dataset, and the fix, in an operator's terms.
-
-    Unlike a tokenizer, a dataset like FineWeb is far too large to download whole, so the
-    offline answer is a few parquet shards used as a local source, never "download it".
-    """
-    from dtrain.training.hub_access import NO_SUCH_REPO, NO_SUCH_REVISION, classify, endpoint, explain
-
-    head = f"could not open the dataset data.dataset = {source.path!r}" + (
-        f" (config {source.name!r})" if source.name else "") + (
-        f" at data.dataset_revision = {source.revision!r}" if source.revision else "")
-    shards = (f"`hf download {source.path} --repo-type dataset --include '<a few .parquet files>'`"
-              + (f" --revision {source.revision}" if source.revision else ""))
-    local = (f'download a few of its parquet shards ({shards}) and set data.source = "local" with '
-             "data.local_path pointing at them")
-    detail = describe_error(exc)
-    if _hub_offline():
-        return (f"{head}: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set, and streaming a Hub dataset needs the "
-                f"Hub. Unset it, or {local}. ({detail})")
-    if classify(exc) in (NO_SUCH_REPO, NO_SUCH_REVISION):
-        # worded like a missing tokenizer or model: no download advice applies to these
-        return explain("dataset", source.path, exc, revision=source.revision or None, repo_type="dataset",
-                       key="data.dataset", revision_key="data.dataset_revision") + f" ({detail})"
-    return (f"{head}: {detail}. Check data.dataset, data.dataset_config and data.dataset_revision and that the "
-            f"Hub ({endpoint()}) is reachable (network, proxy, or HF_ENDPOINT for a mirror); or {local}.")
-
-
-def resolve_data_files(source: DataSource) -> list[str]:
-    """The files of ``source``'s split, in shard order.
-
-    Explicit ``data_files`` are returned as given. For a Hub dataset the ``datasets``
-    builder lists them at ``source.revision`` (``hf://datasets/<id>@<commit>/...``), the
-    list ``load_dataset(..., streaming=True)`` would shard.
-    """
-    _check_local_files(source)
-    if source.data_files is not None:
-        return list(source.data_files)
-    import datasets
-
-    try:
-        builder = datasets.load_dataset_builder(source.path, source.name, revision=source.revision or None)
-        files = builder.config.data_files
-    except Exception as exc:
-        raise DataSourceError(_hub_dataset_problem(source, exc),
-                              transient=is_transient(exc) and not _hub_offline()) from exc
-    if not files or source.split not in files:
-        raise DataSourceError(f"dataset {source.describe()} has no data files for split {source.split!r}"
-                              + (f" (splits: {sorted(files)})" if files else ""))
-    return [str(f) for f in files[source.split]]
-
-
-def open_stream(source: DataSource):
-    """``datasets.load_dataset(..., streaming=True)`` for ``source``; clear errors on failure."""
-    import datasets
-
-    _check_local_files(source)
-    try:
-        ds = datasets.load_dataset(
-            source.path,
-            source.name,
-            data_files=list(source.data_files) if source.data_files is not None else None,
-            split=source.split,
-            streaming=True,
-            revision=source.revision or None,
-        )
-    except Exception as exc:
-        if source.data_files is None:
-            raise DataSourceError(_hub_dataset_problem(source, exc),
-                                  transient=is_transient(exc) and not _hub_offline()) from exc
-        raise DataSourceError(
-            f"could not open dataset {source.describe()} split {source.split!r}: "
-            f"{describe_error(exc)}. Check the data files.",
-            transient=is_transient(exc) and not _hub_offline(),
-        ) from exc
-    return ds
-
-
 # ----------------------------------------------------------------------- assignment
 
 
@@ -281,28 +114,6 @@ def _key(*parts: Any) -> bytes:
         h.update(len(b).to_bytes(8, "big"))  # length-prefixed: no ambiguity between parts
         h.update(b)
     return h.digest()
-
-
-def _feistel(key: bytes, x: int, half_bits: int, rounds: int = 6) -> int:
-    mask = (1 << half_bits) - 1
-    left, right = x >> half_bits, x & mask
-    nbytes = (half_bits + 7) // 8
-    for r in range(rounds):
-        f = hashlib.sha256(key + bytes([r]) + right.to_bytes(max(nbytes, 1), "big")).digest()
-        left, right = right, left ^ (int.from_bytes(f[:8], "big") & mask)
-    return (left << half_bits) | right
-
-
-def permute(index: int, domain: int, key: bytes) -> int:
-    """A keyed bijection of [0, domain): Feistel on the next even power of two, cycle-walked."""
-    if not 0 <= index < domain:
-        raise ValueError(f"index {index} outside [0, {domain})")
-    half = max(1, ((domain - 1).bit_length() + 1) // 2)
-    x = index
-    while True:  # expected < 4 iterations: the Feistel domain is < 4 * domain
-        x = _feistel(key, x, half)
-        if x < domain:
-            return x
 
 
 def assign_pages(
@@ -327,7 +138,7 @@ def assign_pages(
 
     Because P is a bijection, two (uid, page_counter) pairs of the same epoch get the same
     page only if their slots coincide, i.e. never while ``page_counter < num_pages / max_uids``
-    (e.g. FineWeb at 8M pages with 256 uids: 32k pages per miner per epoch).
+    (FineWeb with S shards x 1024 windows and 256 uids: 4·S pages per miner per epoch).
     Across epochs the key changes, so pages are fresh pseudo-random draws (a page may
     recur across epochs with probability ~ pages_used / num_pages). A validator
     ``nonce`` selects a separate permutation for Train challenges. ``max_uids`` must be
@@ -356,7 +167,7 @@ class PageSpec:
     docs_per_page: int = 32
     # None: the smallest local shard sets it (parquet footers, or one streaming pass over
     # text files); for Hub datasets (FineWeb: hundreds of multi-GB shards) None means
-    # REMOTE_WINDOWS_PER_SHARD, read from nothing (module docstring, "Page count").
+    # REMOTE_WINDOWS_PER_SHARD, read from nothing (docs/training.md, "Pages").
     windows_per_shard: int | None = None
 
     @property
