@@ -59,7 +59,7 @@ def make_bare(model, args, total, device):
 
     import torch
 
-    from dtrain.training.trainer import resolve_precision
+    from dtrain.training.precision import resolve_precision
 
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
 
     from dtrain.training.models import count_parameters, create_model
     from dtrain.training.tokenizer import load_tokenizer
-    from dtrain.training.trainer import resolve_precision
+    from dtrain.training.precision import resolve_precision
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     from dtrain.training.models import create_model
     from dtrain.training.replica import params_rms, slice_distance
     from dtrain.training.tokenizer import load_fallback_tokenizer
-    from dtrain.training.trainer import Trainer, TrainerConfig, recompute_fingerprints, recompute_page_work
+    from dtrain.training.trainer import Trainer, TrainerConfig, recompute_fingerprints
+    from dtrain.training.work_audit import recompute_page_work
     from dtrain.sketch import WORK_SKETCH_K
     from dtrain.training.work import WorkLog, work_nonce
     from dtrain.validation.verification import check_page_ids, choose_audit_pages
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     from dtrain.swarm.averaging.kept import SentContribution
     from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
     from dtrain.swarm.wire import make_compression, wire_form
-    from dtrain.training.trainer import summed_gradients
+    from dtrain.training.work_audit import summed_gradients
 
     torch.set_num_threads(args.threads)
     tok = load_fallback_tokenizer()

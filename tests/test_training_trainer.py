@@ -10,7 +10,9 @@ import torch
 from dtrain.training.data import DataSource, PageReader, PageSpec, assign_pages
 from dtrain.training.errors import TrainerStateError
 from dtrain.training.models import create_model
-from dtrain.training.trainer import Trainer, TrainerConfig, lr_factor, resolve_precision
+from dtrain.training.optimizers import lr_factor
+from dtrain.training.precision import resolve_precision
+from dtrain.training.trainer import Trainer, TrainerConfig
 
 torch.set_num_threads(2)
 

@@ -190,7 +190,8 @@ def test_work_report_round_trips():
 
 def test_work_log_page_sketches_sum_to_the_accumulated_gradient():
     from dtrain.training.models import create_model
-    from dtrain.training.trainer import Trainer, TrainerConfig, recompute_page_work
+    from dtrain.training.trainer import Trainer, TrainerConfig
+    from dtrain.training.work_audit import recompute_page_work
 
     model = create_model("tiny", vocab_size=300, n_positions=16, seed=0)
     trainer = Trainer(model, TrainerConfig(micro_batch_size=2, local_batch_size=8))

@@ -90,7 +90,7 @@ class PerStep(Mode):
         whole committed batch and check what the miner sent against it under the round audit's
         secret seed (``req.sent``; dtrain.swarm.averaging.audit.batch_problem)."""
         from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
-        from dtrain.training.trainer import recompute_page_work
+        from dtrain.training.work_audit import recompute_page_work
         from dtrain.sketch import WORK_SKETCH_K
         from dtrain.training.work import work_nonce
         from dtrain.validation.verification import check_page_ids, choose_audit_pages, judge_work, page_audit
@@ -126,7 +126,7 @@ class PerStep(Mode):
         """Recompute every committed page; "" when the mean gradient they give is what the miner
         sent, under the round audit's secret seed (audit.batch_problem)."""
         from dtrain.swarm.averaging.audit import batch_problem
-        from dtrain.training.trainer import summed_gradients
+        from dtrain.training.work_audit import summed_gradients
 
         total: list = [None] * len(self.trainer.params)
         samples = 0

@@ -16,7 +16,6 @@ the samples they actually processed.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -24,12 +23,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dtrain.training.errors import TrainerStateError
 from dtrain.sketch import DEFAULT_K, gradient_sketch
+from dtrain.training.errors import TrainerStateError
 from dtrain.training.fingerprint import Fingerprint
-
-OPTIMIZERS = ("adamw", "lamb", "nesterov")
-PRECISIONS = ("auto", "fp32", "bf16")
+from dtrain.training.optimizers import OPTIMIZERS, build_optimizer, lr_factor
+from dtrain.training.precision import PRECISIONS, autocast_context, resolve_precision
 
 
 @dataclass
@@ -91,32 +89,6 @@ class StepMetrics:
     tokens: int
 
 
-def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """'fp32' or 'bf16' for this device ('auto': bf16 on CUDA when supported)."""
-    dev = torch.device(device)
-    if precision == "auto":
-        if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-            return "bf16"
-        return "fp32"
-    return precision
-
-
-def autocast_context(precision: str, device: torch.device | str):
-    dev = torch.device(device)
-    if resolve_precision(precision, dev) == "bf16":
-        return torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to min_lr_ratio at total_steps (flat after)."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters in the stable order used for gradients, flat vectors and fingerprints."""
     return [p for _, p in model.named_parameters() if p.requires_grad]
@@ -138,28 +110,6 @@ def microbatch_gradients(model, params, input_ids: torch.Tensor, precision: str)
     loss = microbatch_loss(model, input_ids, precision)
     grads = torch.autograd.grad(loss * input_ids.shape[0], params, allow_unused=True)
     return loss.detach(), grads
-
-
-def build_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
-    # Biases, LayerNorm gains and other 1-D tensors are not decayed (standard GPT-2 recipe).
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    if cfg.optimizer == "nesterov":
-        # DiLoCo's outer optimizer: every peer applies it to the same averaged pseudo-gradient.
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
-    if cfg.optimizer == "adamw":
-        kw = {}
-        fused = torch.device(cfg.device).type == "cuda" if cfg.fused is None else cfg.fused
-        if fused:
-            kw["fused"] = True
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kw)
-    from dtrain.training.lamb import Lamb
-
-    return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
 class Trainer:
@@ -266,12 +216,9 @@ class Trainer:
 
     # ------------------------------------------------------------- DiLoCo inner loop
     def reset_optimizer_state(self) -> None:
-        """Forget the optimizer's moments and step counts (a fresh start, as at construction).
-
-        DiLoCo's inner loop restarts from zero moments when it cannot carry over the ones it
-        committed at the end of the previous epoch (docs/protocol.md, "Carried moments"), and a
-        validator's replay from a step-0 snapshot of fresh moments starts here too.
-        """
+        """Forget the optimizer's moments and step counts (a fresh start, as at construction):
+        DiLoCo's inner loop when it cannot carry its moments over (docs/protocol.md, "Carried
+        moments"), and a validator's replay from a snapshot of fresh moments."""
         from collections import defaultdict
 
         self.optimizer.state = defaultdict(dict)
@@ -289,11 +236,9 @@ class Trainer:
 
         AdamW takes ``(exp_avg, exp_avg_sq)`` per parameter; SGD (DiLoCo's outer optimizer)
         takes its momentum buffer from the first. Goes through ``optimizer.load_state_dict``
-        rather than writing ``optimizer.state`` by hand: torch then places every state tensor
-        where this optimizer expects it. Fused and capturable AdamW (fused is used on CUDA)
-        need ``step`` on the parameters' device, the plain kernels keep it where torch's policy
-        says, and moments follow the parameters' device and dtype. A hand-built CPU ``step``
-        next to CUDA parameters is what the fused kernel refuses.
+        rather than writing ``optimizer.state`` by hand, so torch puts every state tensor where
+        this optimizer expects it: fused AdamW (the default on CUDA) needs ``step`` on the
+        parameters' device.
         """
         optimizer = self.optimizer
         index = {id(p): i for i, p in enumerate(q for group in optimizer.param_groups for q in group["params"])}
@@ -425,47 +370,6 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.counters = Counters(**state["counters"])
         self.zero_grad()
-
-
-def recompute_page_work(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    nonce: str,
-    micro_batch_size: int,
-    precision: str = "fp32",
-    k: int = DEFAULT_K,
-) -> Fingerprint:
-    """The validator's audit of one committed page: (loss, work sketch, samples) of its
-    sample-summed gradient, split into micro-batches as the miner's trainer splits it.
-
-    Never changes the model's parameters or ``.grad``.
-    """
-    total, loss_sum, samples = summed_gradients(model, input_ids, micro_batch_size=micro_batch_size,
-                                                precision=precision)
-    sketch = gradient_sketch(total, nonce, k=k)
-    return Fingerprint(loss=loss_sum / max(samples, 1), sketch=tuple(sketch.tolist()), samples=samples)
-
-
-def summed_gradients(model: torch.nn.Module, input_ids: torch.Tensor, *, micro_batch_size: int,
-                     precision: str = "fp32", into: list | None = None) -> tuple[list, float, int]:
-    """(sample-summed gradients per trainable parameter, summed loss, samples) of ``input_ids``,
-    split into micro-batches as the miner's trainer splits them; added into ``into`` when given
-    (a whole committed batch, page by page). Never changes the model's parameters or ``.grad``."""
-    dev = next(model.parameters()).device
-    params = trainable_parameters(model)
-    total: list[torch.Tensor | None] = into if into is not None else [None] * len(params)
-    loss_sum, samples = 0.0, 0
-    x_all = input_ids.to(dev)
-    for start in range(0, x_all.shape[0], micro_batch_size):
-        x = x_all[start : start + micro_batch_size]
-        loss, grads = microbatch_gradients(model, params, x, precision)
-        for i, g in enumerate(grads):
-            if g is not None:
-                total[i] = g if total[i] is None else total[i].add_(g)
-        loss_sum += float(loss) * x.shape[0]
-        samples += x.shape[0]
-    return total, loss_sum, samples
 
 
 def recompute_fingerprints(
