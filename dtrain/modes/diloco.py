@@ -1,26 +1,10 @@
-"""DiLoCo mode (``allreduce.mode = "diloco"``): H local steps, then one averaged pseudo-gradient
-and one outer Nesterov step.
+"""DiLoCo mode (``allreduce.mode = "diloco"``): H local steps on an inner copy of the model,
+then one averaged pseudo-gradient (anchor - inner parameters) and one outer Nesterov step on the
+shared replica, the epoch's *anchor*. A validator audits a trajectory's shape, page ids and
+start, then replays one stretch of it from the snapshot before it (:meth:`DiLoCo.audit`).
 
-Two copies of the model:
-
-- the shared replica (``trainer``, the epoch's *anchor*), moved only by the outer step: SGD
-  with Nesterov momentum at a constant rate, no clipping, no weight decay. Rounds average
-  into it exactly as in per-step mode, so catch-up, checkpoints, state slices and Train
-  challenges all refer to the anchor;
-- the inner copy (``inner``), which restarts from the anchor every epoch
-  (:meth:`DiLoCo.start_epoch`), keeping its AdamW moments from the epoch before when they are
-  the ones it committed then (else fresh ones), and takes up to H steps on the miner's own
-  pages, each recorded in a trajectory report (``dtrain.training.trajectory``), with a
-  snapshot kept every ``diloco_snapshot_every`` steps for validators' replays.
-
-A round averages ``anchor - inner parameters`` (the sign of a gradient); every peer then takes
-the same outer step on the same anchor, so the replicas, and the outer momentum, stay
-identical. A failed round changes nothing: the inner steps wait for the next one.
-
-A validator audits a trajectory by its shape, its page ids and its start (this epoch's
-anchor, and moments that are fresh or the ones the miner committed at the end of its previous
-epoch), then replays one randomly chosen stretch of it from the snapshot before it
-(:meth:`DiLoCo.audit`; every decision is ``dtrain.validation.verification``'s).
+The two copies, the carried moments and the audit: docs/swarm.md ("DiLoCo"), docs/protocol.md
+("DiLoCo") and docs/training.md ("Training modes").
 """
 
 from __future__ import annotations
@@ -246,18 +230,30 @@ class DiLoCo(Mode):
         last) steps, as choose_replay_segment gives them), check it against its commitment and
         replay up to that step on the inner copy. Returns (problem, step audits, first replayed
         step - 1, the snapshot's parameters the replay started from; None when it did not)."""
-        from dtrain.training import snapshots
-        from dtrain.sketch import gradient_sketch
-        from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
-        from dtrain.training.replay import replay_steps
         from dtrain.sketch import WORK_SKETCH_K
-        from dtrain.training.work import work_nonce
-        from dtrain.validation.verification import (
-            MOMENTS_RTOL, SNAPSHOT_RTOL, choose_replay_segment, sketch_mismatch, step_audit,
-        )
+        from dtrain.training.replay import replay_steps
+        from dtrain.validation.verification import choose_replay_segment
+
+        report = req.report
+        first, target = segment if segment is not None else choose_replay_segment(len(report.steps), report.every, rng)
+        problem, params = self._load_snapshot(req, epoch=epoch, first=first, nonce=nonce)
+        if problem:
+            return problem, [], first, None
+        s = self.settings
+        replayed = replay_steps(self.inner, report.steps[first:target], first_step=first, epoch=epoch,
+                                inner_steps=s.inner_steps, read_page=lambda page: self.reader.read_pages([page]),
+                                nonce=nonce, k=WORK_SKETCH_K, warmup=s.inner_warmup, steps_before=report.t0)
+        audits = _step_audits(report.steps[first:target], replayed)
+        return self._stretch_end_problem(report, first, target, audits, epoch=epoch, nonce=nonce), audits, first, params
+
+    def _load_snapshot(self, req: AuditRequest, *, epoch: int, first: int, nonce: str):
+        """Download the snapshot taken after inner step ``first``, check it against its commitment
+        and load it into the inner copy: ("", its parameters), or (the problem, None)."""
+        from dtrain.sketch import WORK_SKETCH_K, gradient_sketch
+        from dtrain.training import snapshots
+        from dtrain.validation.verification import SNAPSHOT_RTOL, sketch_mismatch
 
         report, inner = req.report, self.inner
-        first, target = segment if segment is not None else choose_replay_segment(len(report.steps), report.every, rng)
         commit = report.snapshot_at(first)
         try:
             data = self._download_snapshot(req, epoch, first)
@@ -265,48 +261,40 @@ class DiLoCo(Mode):
         except snapshots.SnapshotError as exc:
             # A miner that cannot serve what it committed is treated as having made it up: one
             # that could choose when to fail would dodge exactly the audits it fears.
-            return f"snapshot at inner step {first} not served ({exc})", [], first, None
+            return f"snapshot at inner step {first} not served ({exc})", None
         except TimeoutError as exc:
-            return f"snapshot at inner step {first} {exc}", [], first, None
+            return f"snapshot at inner step {first} {exc}", None
         measured = gradient_sketch(params, nonce, k=WORK_SKETCH_K).tolist()
         if sketch_mismatch(report.params_sketch_after(first), measured, SNAPSHOT_RTOL):
-            return f"snapshot at inner step {first} is not the committed parameters", [], first, None
-
-        def moments_differ(committed, exp_avg, exp_avg_sq, rtol: float, under: str = nonce) -> bool:
-            return any(sketch_mismatch(want, gradient_sketch(got, under, k=WORK_SKETCH_K).tolist(), rtol)
-                       for want, got in ((committed.exp_avg, exp_avg), (committed.exp_avg_sq, exp_avg_sq)))
-
-        if report.t0 + first > 0 and moments_differ(commit, exp_avg, exp_avg_sq, SNAPSHOT_RTOL):
-            return f"snapshot at inner step {first} is not the committed optimizer state", [], first, None
+            return f"snapshot at inner step {first} is not the committed parameters", None
+        if report.t0 + first > 0 and _moments_differ(commit, exp_avg, exp_avg_sq, SNAPSHOT_RTOL, nonce):
+            return f"snapshot at inner step {first} is not the committed optimizer state", None
         snapshots.load_inner_state(inner, params, exp_avg, exp_avg_sq, report.t0 + first)
-        s = self.settings
-        replayed = replay_steps(inner, report.steps[first:target], first_step=first, epoch=epoch,
-                                inner_steps=s.inner_steps, read_page=lambda page: self.reader.read_pages([page]),
-                                nonce=nonce, k=WORK_SKETCH_K, warmup=s.inner_warmup, steps_before=report.t0)
-        audits = []
-        for entry, mine in zip(report.steps[first:target], replayed):
-            # The gradient tells the pages apart; the update, that AdamW was applied as committed.
-            gradient = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.grad_sketch, samples=entry.samples),
-                                            Fingerprint(loss=mine.loss, sketch=mine.grad_sketch, samples=mine.samples))
-            update = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples),
-                                          Fingerprint(loss=mine.loss, sketch=mine.sketch, samples=mine.samples))
-            audits.append(step_audit(entry, gradient, update))
+        return "", params
+
+    def _stretch_end_problem(self, report, first: int, target: int, audits: list, *, epoch: int, nonce: str) -> str:
+        """"" when the replayed steps end with the moments committed where the stretch ends;
+        checked only when every step audit passed."""
+        from dtrain.training import snapshots
+        from dtrain.training.work import work_nonce
+        from dtrain.validation.verification import MOMENTS_RTOL
+
         following = report.snapshot_at(target)
         if following is not None and all(a.passed for a in audits):
             # The stretch ends where the next snapshot was taken: its committed moments must be
             # the ones these steps produce, or that snapshot's optimizer state was made up.
-            _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
-            if moments_differ(following, exp_avg, exp_avg_sq, MOMENTS_RTOL):
+            _, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
+            if _moments_differ(following, exp_avg, exp_avg_sq, MOMENTS_RTOL, nonce):
                 return (f"the optimizer state committed at inner step {target} is not what steps {first + 1}-{target} "
-                        "produce"), audits, first, params
+                        "produce")
         elif target == len(report.steps) and report.carry is not None and all(a.passed for a in audits):
             # The last stretch ends where the carry was committed (under the next epoch's nonce):
             # the moments the next epoch may start from must be the ones these steps produce.
-            _, exp_avg, exp_avg_sq = snapshots.inner_state(inner)
-            if moments_differ(report.carry, exp_avg, exp_avg_sq, MOMENTS_RTOL, work_nonce(s.run_id, epoch + 1)):
+            _, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
+            if _moments_differ(report.carry, exp_avg, exp_avg_sq, MOMENTS_RTOL, work_nonce(self.settings.run_id, epoch + 1)):
                 return (f"the moments carried into the next epoch are not what steps {first + 1}-{target} "
-                        "produce"), audits, first, params
-        return "", audits, first, params
+                        "produce")
+        return ""
 
     def _download_snapshot(self, req: AuditRequest, epoch: int, step: int) -> bytearray:
         """The snapshot's bytes, chunk by chunk within the time budget (TimeoutError past it)."""
@@ -334,3 +322,28 @@ class DiLoCo(Mode):
         from dtrain.training.snapshots import SnapshotStore
 
         self.store = SnapshotStore(root)
+
+
+def _moments_differ(committed, exp_avg, exp_avg_sq, rtol: float, nonce: str) -> bool:
+    """Whether the sketches of these AdamW moments under ``nonce`` differ from ``committed``'s beyond ``rtol``."""
+    from dtrain.sketch import WORK_SKETCH_K, gradient_sketch
+    from dtrain.validation.verification import sketch_mismatch
+
+    return any(sketch_mismatch(want, gradient_sketch(got, nonce, k=WORK_SKETCH_K).tolist(), rtol)
+               for want, got in ((committed.exp_avg, exp_avg), (committed.exp_avg_sq, exp_avg_sq)))
+
+
+def _step_audits(entries, replayed) -> list:
+    """A step audit per committed inner step against its replay."""
+    from dtrain.training.fingerprint import Fingerprint, compare_fingerprints
+    from dtrain.validation.verification import step_audit
+
+    audits = []
+    for entry, mine in zip(entries, replayed):
+        # The gradient tells the pages apart; the update, that AdamW was applied as committed.
+        gradient = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.grad_sketch, samples=entry.samples),
+                                        Fingerprint(loss=mine.loss, sketch=mine.grad_sketch, samples=mine.samples))
+        update = compare_fingerprints(Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples),
+                                      Fingerprint(loss=mine.loss, sketch=mine.sketch, samples=mine.samples))
+        audits.append(step_audit(entry, gradient, update))
+    return audits
