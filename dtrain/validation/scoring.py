@@ -235,87 +235,84 @@ def score_round(
     Normalisations (steps, bandwidth) are relative to the best miner of this round, which
     is why this takes all miners at once.
     """
-    status: dict[int, Outcome | None] = {}
-    grad: dict[int, float | None] = {}
-    gates: dict[int, list[str]] = {}
-    credited: dict[int, int] = {}
-
-    for uid, inp in inputs.items():
-        g_list: list[str] = []
-        st = inp.outcome
-        status[uid] = st
-        g: float | None = None
-        verified_ok = False
-        if inp.train is not None:
-            g = gradient_score(inp.train, cfg)
-            if not inp.train.checks:
-                g_list.append(GATE_NO_CHECKS)
-            elif g <= 0.0:
-                g_list.append(GATE_VERIFY_FAILED)
-            elif inp.train.work_problem:
-                g_list.append(GATE_WORK_AUDIT)
-            elif claim_inflated(inp.train, cfg):
-                g_list.append(GATE_INFLATED_CLAIM)
-            else:
-                verified_ok = True
-        if inp.probation:
-            g_list.append(GATE_PROBATION)
-        if st is Outcome.WRONG_MODEL:
-            # Recomputation was done against *our* model; a peer on another model cannot
-            # have produced gradients we can trust, whatever the Train checks said.
-            g = 0.0 if inp.train is not None else g
-            verified_ok = False
-            g_list.append(GATE_WRONG_MODEL)
-        elif st is not None and st is not Outcome.SUCCESS:
-            g_list.append(GATE_NO_PARTICIPATION)
-        grad[uid] = g
-        gates[uid] = g_list
-        credited[uid] = credited_samples(inp.train, verified_ok and not inp.probation)
-
+    judged = {uid: _judge(inp, cfg) for uid, inp in inputs.items()}
+    credited = {uid: credited_samples(inputs[uid].train, ok) for uid, (_, _, ok) in judged.items()}
     best_steps = max([float(c) for c in credited.values()] + [cfg.steps_reference, 0.0])
     best_slice = max(
         [i.state_slice_bps for i in inputs.values() if i.state_slice_bps is not None and _finite(i.state_slice_bps)]
         + [0.0]
     )
+    return {uid: _round_score(inp, judged[uid][0], judged[uid][1], credited[uid], best_steps, best_slice, cfg)
+            for uid, inp in inputs.items()}
 
-    out: dict[int, RoundScore] = {}
-    for uid, inp in inputs.items():
-        st = status[uid]
-        steps = None
-        if inp.train is not None:
-            steps = credited[uid] / best_steps if best_steps > 0 else 0.0
-        # Bandwidth is what the validator timed itself: the state-slice download. A miner's
-        # own figures for its all-reduce are claims, so they are not scored.
-        bandwidth = None
-        if inp.state_slice_bps is not None:
-            bandwidth = log_throughput_score(inp.state_slice_bps, best_slice, cfg.bandwidth_floor_bps)
-        participation = participation_score(st) if st is not None else None
 
-        combined: float | None
-        if gates[uid]:
-            combined = 0.0
-        elif inp.train is None:
-            # Positive credit needs a passing Train verification in the same round; without
-            # one a lazy miner would earn on bandwidth alone in rounds it was not checked.
-            # Negative evidence (the gates above) still counts, so this is "no update".
-            combined = None
+def _judge(inp: MinerRoundInput, cfg: ScoringConfig) -> tuple[float | None, list[str], bool]:
+    """(gradient score, the gates it hit, whether its verified samples are credited) of one miner."""
+    gates: list[str] = []
+    g: float | None = None
+    verified_ok = False
+    if inp.train is not None:
+        g = gradient_score(inp.train, cfg)
+        if not inp.train.checks:
+            gates.append(GATE_NO_CHECKS)
+        elif g <= 0.0:
+            gates.append(GATE_VERIFY_FAILED)
+        elif inp.train.work_problem:
+            gates.append(GATE_WORK_AUDIT)
+        elif claim_inflated(inp.train, cfg):
+            gates.append(GATE_INFLATED_CLAIM)
         else:
-            # Pay follows verified work: the components make a quality factor (steps at full
-            # credit in it), which the steps fraction then scales. A miner that trained half
-            # its batch earns half; one that trained nothing earns nothing, however well it
-            # answers challenges or serves bandwidth.
-            quality = combine(grad[uid], 1.0, bandwidth, participation, cfg)
-            combined = quality * min(1.0, max(0.0, steps if steps is not None else 0.0))
-        out[uid] = RoundScore(
-            gradient=grad[uid],
-            steps=steps,
-            bandwidth=bandwidth,
-            participation=participation,
-            combined=combined,
-            gated=tuple(gates[uid]),
-            credited_samples=credited[uid],
-        )
-    return out
+            verified_ok = True
+    if inp.probation:
+        gates.append(GATE_PROBATION)
+    if inp.outcome is Outcome.WRONG_MODEL:
+        # Recomputation was done against *our* model; a peer on another model cannot
+        # have produced gradients we can trust, whatever the Train checks said.
+        g = 0.0 if inp.train is not None else g
+        verified_ok = False
+        gates.append(GATE_WRONG_MODEL)
+    elif inp.outcome is not None and inp.outcome is not Outcome.SUCCESS:
+        gates.append(GATE_NO_PARTICIPATION)
+    return g, gates, verified_ok and not inp.probation
+
+
+def _round_score(inp: MinerRoundInput, gradient: float | None, gates: list[str], credited: int,
+                 best_steps: float, best_slice: float, cfg: ScoringConfig) -> RoundScore:
+    """One miner's components, normalised by this round's best, and their gated combination."""
+    steps = None
+    if inp.train is not None:
+        steps = credited / best_steps if best_steps > 0 else 0.0
+    # Bandwidth is what the validator timed itself: the state-slice download. A miner's
+    # own figures for its all-reduce are claims, so they are not scored.
+    bandwidth = None
+    if inp.state_slice_bps is not None:
+        bandwidth = log_throughput_score(inp.state_slice_bps, best_slice, cfg.bandwidth_floor_bps)
+    participation = participation_score(inp.outcome) if inp.outcome is not None else None
+
+    combined: float | None
+    if gates:
+        combined = 0.0
+    elif inp.train is None:
+        # Positive credit needs a passing Train verification in the same round; without
+        # one a lazy miner would earn on bandwidth alone in rounds it was not checked.
+        # Negative evidence (the gates above) still counts, so this is "no update".
+        combined = None
+    else:
+        # Pay follows verified work: the components make a quality factor (steps at full
+        # credit in it), which the steps fraction then scales. A miner that trained half
+        # its batch earns half; one that trained nothing earns nothing, however well it
+        # answers challenges or serves bandwidth.
+        quality = combine(gradient, 1.0, bandwidth, participation, cfg)
+        combined = quality * min(1.0, max(0.0, steps if steps is not None else 0.0))
+    return RoundScore(
+        gradient=gradient,
+        steps=steps,
+        bandwidth=bandwidth,
+        participation=participation,
+        combined=combined,
+        gated=tuple(gates),
+        credited_samples=credited,
+    )
 
 
 def combine(
