@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dtrain.config import Config, save_config
+from dtrain.config import save_config
 from dtrain.sandbox import layout
 from dtrain.sandbox.layout import Member
+from dtrain.sandbox.settings import NETUID, RUN_ID, SANDBOX_DILOCO_H, neuron_config, validator_names
+from dtrain.sandbox.summary import build_summary
 
-NETUID = 38
-RUN_ID = "sandbox"
 VALIDATOR_STAKE = 1000.0
 # How long a neuron gets to stop cleanly after SIGINT: a checkpoint, the pusher's drain and
 # hivemind's own shutdown timeouts (averager 5 s, DHT 3 s), with room for a slow 2-core host.
@@ -58,57 +58,6 @@ class Child:
 
 class SandboxError(Exception):
     pass
-
-
-def validator_names(count: int) -> list[str]:
-    """One validator keeps the plain name "validator"; several are validator1..N."""
-    return ["validator"] if count == 1 else [f"validator{i}" for i in range(1, count + 1)]
-
-
-# DiLoCo in the sandbox: H inner steps of a quarter-size local batch fit one round slot, and a
-# snapshot every 4 steps keeps each validator's replay to at most 4 steps per miner.
-SANDBOX_DILOCO_H, SANDBOX_DILOCO_BATCH, SANDBOX_SNAPSHOT_EVERY = 8, 16, 4
-SANDBOX_DILOCO_WARMUP = 2  # the ramp of the production default (a tenth of H), at least one ramped step
-
-
-def neuron_config(root: Path, member: Member, total_miners: int, validators: int = 1,
-                  mode: str = "gradient", batch_audit: float = 1.0) -> Config:
-    """The config every sandbox neuron runs with: tiny model, shipped text, loopback only."""
-    cfg = Config()
-    cfg.wallet.name, cfg.wallet.hotkey, cfg.wallet.path = member.name, "default", str(layout.wallets_dir(root))
-    cfg.chain.network, cfg.chain.netuid, cfg.chain.sandbox_dir = "sandbox", NETUID, str(root)
-    cfg.node.role = member.role
-    cfg.node.data_dir = str(layout.neuron_dir(root, member.name) / "data")
-    cfg.model.preset, cfg.model.seq_len, cfg.model.run_id = "tiny", 128, RUN_ID
-    # Small pages and a local batch of 16 of them: the validator's checks (one challenge
-    # micro-batch, one audited page per miner) stay near a tenth of a miner's training.
-    cfg.data.source, cfg.data.tokenizer, cfg.data.page_sequences = "local", "shipped", 4
-    m = cfg.training
-    m.micro_batch_size, m.local_batch_size = 4, 64
-    m.lr, m.warmup_steps, m.total_steps, m.device, m.precision = 2e-3, 0, 1000, "cpu", "fp32"
-    v = cfg.validator
-    v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 1, 0.5
-    v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
-    v.batch_audit_probability = batch_audit
-    if validators > 1:
-        # Several validators meet in one all-reduce by starting it half-way through a shared
-        # slot (docs/protocol.md): the slot must outlast their checks, or the faster one's
-        # round runs first and the slower one only catches up.
-        v.round_interval_s = 8.0
-    a = cfg.allreduce
-    a.min_group_size, a.target_group_size = 2, 64
-    a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 3.0, 30.0
-    a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
-    if mode == "diloco":
-        a.mode, a.diloco_inner_steps, a.diloco_snapshot_every = "diloco", SANDBOX_DILOCO_H, SANDBOX_SNAPSHOT_EVERY
-        a.diloco_inner_warmup = SANDBOX_DILOCO_WARMUP
-        m.local_batch_size = SANDBOX_DILOCO_BATCH
-        # H local steps take longer than one local batch: a slot long enough for them.
-        v.round_interval_s = max(v.round_interval_s, 6.0)
-    cfg.hub.repo, cfg.hub.backoff_s = str(layout.store_dir(root)), 2.0
-    cfg.api.host, cfg.api.port, cfg.api.metrics_port = "127.0.0.1", 0, 0
-    cfg.dashboard.enabled = False
-    return cfg
 
 
 def create_wallet(root: Path, name: str) -> str:
@@ -244,10 +193,9 @@ class Sandbox:
             raise self._not_up(miners[0].name, first.log)
         for member in miners[1:]:
             self._spawn(member, [])
-        # They start together and share the CPU: on a 2-core machine eight neurons took over
-        # four minutes to import torch, hivemind and bittensor and commit. A neuron that dies
-        # is noticed at once (_wait_for_commitment polls the processes), so this deadline is
-        # only a hang guard and grows with the number starting at once.
+        # They start together and share the CPU, so the deadline grows with their number. A
+        # neuron that dies is noticed at once (_wait_for_commitment polls the processes): this
+        # deadline is only a hang guard.
         deadline = time.monotonic() + 240 + 60 * len(miners[1:])
         for member in miners[1:]:
             if not self._wait_for_commitment(member.hotkey, max(1.0, deadline - time.monotonic())):
@@ -362,96 +310,3 @@ def _last_line(path: Path) -> str:
         return ""
     return lines[-1][-300:] if lines else ""
 
-
-def _validator_view(member: Member, state: dict, chain_weights: dict[int, float]) -> dict:
-    rounds = state.get("recent_rounds", []) if isinstance(state.get("recent_rounds"), list) else []
-    return {"name": member.name, "uid": member.uid, "hotkey": member.hotkey,
-            "round_counter": state.get("round_counter"),
-            "statuses": [r.get("status") for r in rounds if isinstance(r, dict)],
-            "weights": {str(uid): float(w) for uid, w in sorted(chain_weights.items())}}
-
-
-def build_summary(root: Path, wall_s: float | None = None) -> dict:
-    """The sandbox's outcome, from the validators' persisted state and the chain.
-
-    The rounds and scores shown are the first validator's; every validator is listed under
-    ``validators`` with the weights it set, and each miner's ``weight`` is the stake-weighted
-    mean over validators (what the chain's consensus sees), with ``weights_by_validator``
-    beside it and ``validator_spread`` (the largest per-miner difference) at the top.
-    """
-    from dtrain.chain.sandbox import SandboxChain
-
-    manifest = layout.read_manifest(root) or {"members": []}
-    members = [Member(**m) for m in manifest["members"]]
-    validators = [m for m in members if m.role == "validator"]
-    states: dict[str, dict] = {}
-    for path in layout.validator_state_files(root):
-        try:
-            states.setdefault(path.parents[2].name, json.loads(path.read_text()))
-        except (OSError, ValueError):
-            pass
-    state = states.get(validators[0].name, {}) if validators else {}
-    rounds_raw = state.get("recent_rounds", [])
-    by_uid = {m.uid: m for m in members}
-    all_weights: dict[int, dict[int, float]] = {}
-    try:
-        chain = SandboxChain(root, netuid=NETUID)
-        try:
-            all_weights = chain.weights()
-        finally:
-            chain.close()
-    except Exception:
-        all_weights = {}
-    weights_by_validator = {v.name: {int(k): float(w) for k, w in all_weights.get(v.uid, {}).items()}
-                            for v in validators}
-    rounds = []
-    for r in rounds_raw:
-        sent, received = r.get("bytes_sent"), r.get("bytes_received")
-        rounds.append({"round": r.get("round"), "status": r.get("status"), "participants": r.get("participants", []),
-                       "duration_s": r.get("duration_s"), "allreduce_s": r.get("allreduce_s"),
-                       "bytes": sent + received if sent is not None and received is not None else None,
-                       "epoch": r.get("epoch"),
-                       "fraction_averaged": r.get("fraction_averaged"), "error": r.get("error", ""),
-                       "loss_before": r.get("loss_before"), "loss_after": r.get("loss_after"),
-                       "verify_s": r.get("verify_s"), "audit_s": r.get("audit_s"),
-                       "train_query_s": r.get("train_query_s"),
-                       "outcomes": {str(m["uid"]): m["outcome"] for m in r.get("miners", [])},
-                       "notes": {str(m["uid"]): m.get("note", "") for m in r.get("miners", []) if m.get("note")}})
-    last_scores = {int(k): v for k, v in state.get("last_scores", {}).items()}
-    ema = {int(k): float(v) for k, v in state.get("ema", {}).items()}
-    miners = []
-    spread = 0.0
-    for member in members:
-        if member.role != "miner":
-            continue
-        s = last_scores.get(member.uid, {})
-        # Sandbox validators all hold the same stake, so the consensus weight is the plain mean.
-        per_validator = {name: w.get(member.uid, 0.0) for name, w in weights_by_validator.items()}
-        values = list(per_validator.values())
-        if len(values) > 1:
-            spread = max(spread, max(values) - min(values))
-        miners.append({"uid": member.uid, "name": member.name, "hotkey": member.hotkey, "kind": member.kind,
-                       "score": ema.get(member.uid, 0.0),
-                       "weight": sum(values) / len(values) if values else 0.0,
-                       "weights_by_validator": per_validator,
-                       "last_round": s.get("combined"), "outcome": s.get("outcome"), "gated": s.get("gated", []),
-                       "components": {k: s.get(k) for k in ("gradient", "steps", "bandwidth", "participation")}})
-    curve = []
-    if rounds:
-        curve.append(rounds[0]["loss_before"])
-        curve += [r["loss_after"] for r in rounds]
-    curve = [c for c in curve if isinstance(c, (int, float))]
-    verify = sum(r.get("verify_s") or 0 for r in rounds)
-    audit = sum(r.get("audit_s") or 0 for r in rounds)
-    train = sum(r.get("train_query_s") or 0 for r in rounds)
-    return {
-        "dir": str(root), "wall_s": round(wall_s, 1) if wall_s is not None else None,
-        "rounds": rounds, "miners": miners,
-        "loss": {"start": curve[0] if curve else None, "end": curve[-1] if curve else None, "curve": curve},
-        "verification": {"verify_s": round(verify, 3), "audit_s": round(audit, 3), "train_query_s": round(train, 3),
-                         "ratio": round(verify / train, 4) if train else None},
-        "uids": {str(uid): m.name for uid, m in by_uid.items()},
-        "validators": [_validator_view(v, states.get(v.name, {}), weights_by_validator.get(v.name, {}))
-                       for v in validators],
-        "validator_spread": round(spread, 6) if len(validators) > 1 else None,
-    }
