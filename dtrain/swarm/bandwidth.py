@@ -75,13 +75,30 @@ def run_local(
 def _average_locally(nodes, swarms: list, numel: int, seed: int, compression: str, timeout_s: float,
                      part_size_bytes: int, progress: ProgressFn) -> dict:
     """One timed round among already-started loopback ``nodes``; averagers go into ``swarms``."""
-    from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
-    from dtrain.swarm.records import Outcome
+    from dtrain.swarm.averaging import GradientSwarm
 
     peers = len(nodes)
     data = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(peers)]
     exact = torch.stack([d.double() for d in data]).mean(0)
-    cfg = AveragingConfig(
+    cfg = _local_config(peers, compression, timeout_s, part_size_bytes)
+    fp = f"bandwidth-local-{numel}"
+    for i, node in enumerate(nodes):
+        swarms.append(GradientSwarm(node.dht, [data[i]], fp, cfg))
+        _notify(progress, "starting averagers", 0.3 + (i + 1) / peers * 0.3)
+    outputs = [d.clone() for d in data]
+    _notify(progress, "all-reduce", 0.6)
+    records, wall = _round_together(swarms, outputs, timeout_s)
+    _notify(progress, "checking", 0.95)
+    result = _local_result(records, outputs, data, exact, numel=numel, compression=compression, wall=wall)
+    _notify(progress, "done", 1.0)
+    return result
+
+
+def _local_config(peers: int, compression: str, timeout_s: float, part_size_bytes: int):
+    """Averaging settings of the loopback benchmark: all ``peers`` in one group, the plain mean."""
+    from dtrain.swarm.averaging import AveragingConfig
+
+    return AveragingConfig(
         prefix="dtrain_bw_local",
         min_group_size=peers,
         target_group_size=peers,
@@ -95,29 +112,31 @@ def _average_locally(nodes, swarms: list, numel: int, seed: int, compression: st
         allow_state_sharing=False,
         aggregation="mean",  # the result is compared with the exact mean
     )
-    fp = f"bandwidth-local-{numel}"
-    for i, node in enumerate(nodes):
-        swarms.append(GradientSwarm(node.dht, [data[i]], fp, cfg))
-        _notify(progress, "starting averagers", 0.3 + (i + 1) / peers * 0.3)
-    records: list = [None] * peers
-    outputs = [d.clone() for d in data]
+
+
+def _round_together(swarms: list, outputs: list, timeout_s: float) -> tuple[list, float]:
+    """Run one round on every swarm at once (a thread each) into ``outputs``: (records, wall seconds).
+    A record stays None where its thread did not finish in time."""
+    records: list = [None] * len(swarms)
 
     def one(i: int) -> None:
         records[i] = swarms[i].run_round([outputs[i]], weight=1.0, cap=1.0)
 
-    _notify(progress, "all-reduce", 0.6)
     t0 = time.monotonic()
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(peers)]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(swarms))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout_s + 30)
-    wall = time.monotonic() - t0
-    _notify(progress, "checking", 0.95)
-    errors = [r.error for r in records if r is None or r.error] if all(records) else ["a peer did not finish"]
-    seconds = max((r.allreduce_s for r in records if r is not None), default=0.0)
-    # Where a reducer's part was lost, its senders keep their local values (docs/swarm.md); the
-    # error over the elements that did change says whether every average that arrived is exact.
+    return records, time.monotonic() - t0
+
+
+def _average_errors(outputs: list, data: list, exact) -> tuple[float, float]:
+    """(largest error against the exact mean, the same over the elements that were averaged).
+
+    Where a reducer's part was lost, its senders keep their local values (docs/swarm.md); the
+    error over the elements that did change says whether every average that arrived is exact.
+    """
     max_err = max_err_averaged = 0.0
     for out, sent in zip(outputs, data):
         error = (out.double() - exact).abs()
@@ -125,13 +144,25 @@ def _average_locally(nodes, swarms: list, numel: int, seed: int, compression: st
         averaged = error[out != sent]
         if averaged.numel():
             max_err_averaged = max(max_err_averaged, float(averaged.max()))
+    return max_err, max_err_averaged
+
+
+def _local_result(records: list, outputs: list, data: list, exact, *, numel: int, compression: str,
+                  wall: float) -> dict:
+    """The loopback benchmark's report: timings, bandwidth figures and errors against the exact mean."""
+    from dtrain.swarm.records import Outcome
+
+    peers = len(records)
+    errors = [r.error for r in records if r is None or r.error] if all(records) else ["a peer did not finish"]
+    seconds = max((r.allreduce_s for r in records if r is not None), default=0.0)
+    max_err, max_err_averaged = _average_errors(outputs, data, exact)
     failures = [f"peer {i} ({r.local_peer_id[-8:]}): {p.outcome.value} {p.peer_id[-8:]}: {p.reason}"
                 for i, r in enumerate(records) if r is not None
                 for p in r.peers if p.outcome != Outcome.SUCCESS]
     if not errors and max_err > 1e-5 and compression == "none":
         errors = [f"the average was not exact (max error {max_err:.3g})"] + failures
     size_bytes = numel * 4
-    result = dict(
+    return dict(
         mode="local",
         peers=peers,
         size_mb=size_bytes / MIB,
@@ -150,8 +181,6 @@ def _average_locally(nodes, swarms: list, numel: int, seed: int, compression: st
         ok=not errors and max_err <= (1e-5 if compression == "none" else float("inf")),
         errors=errors,
     )
-    _notify(progress, "done", 1.0)
-    return result
 
 
 async def _ping_known(timeout: float, _dht, node) -> dict:
@@ -191,7 +220,7 @@ def run_real(
     Peers meet on ``<prefix>_<size>`` (never a training prefix) with weight 1 each.
     ``link_mbit`` (the operator's declared link speed) gives the theoretical bound.
     """
-    from dtrain.swarm.averaging import AveragingConfig, GradientSwarm
+    from dtrain.swarm.averaging import GradientSwarm
     from dtrain.swarm.node import SwarmNode, SwarmNodeConfig
 
     numel = max(int(size_mb * MIB / 4), 1)
@@ -210,54 +239,68 @@ def run_real(
         known = node.ensure_connected(timeout_s=connect_timeout_s)
         _notify(progress, "measuring latency", 0.2)
         latencies = node.dht.run_coroutine(functools.partial(_ping_known, 5.0))
-        reachable = {p: ms for p, ms in latencies.items() if ms is not None}
         _notify(progress, "all-reduce", 0.4)
-        cfg = AveragingConfig(
-            prefix=f"{prefix}_{numel}",
-            min_group_size=min_group_size,
-            target_group_size=target_group_size,
-            min_matchmaking_time_s=matchmaking_s,
-            request_timeout_s=min(3.0, matchmaking_s / 2),
-            matchmaking_timeout_s=round_timeout_s,
-            allreduce_timeout_s=round_timeout_s,
-            sender_timeout_s=30.0,
-            allow_state_sharing=False,
-            aggregation="mean",  # a measurement of the links: no robust aggregation's CPU in the figure
-        )
+        cfg = _real_config(f"{prefix}_{numel}", min_group_size, target_group_size, matchmaking_s, round_timeout_s)
         data = torch.randn(numel)
         swarm = GradientSwarm(node.dht, [data], f"bandwidth-{numel}", cfg)
         record = swarm.run_round([data], weight=1.0, cap=1.0)
-        n = len(record.group)
-        size_bytes = numel * 4
-        seconds = record.allreduce_s
-        measured_bytes = record.bytes_sent + record.bytes_received
-        link_bps = link_mbit * 1e6 / 8 if link_mbit else None
-        bound = link_bound_s(size_bytes, n, link_bps) if link_bps else None
-        result = dict(
-            mode="real",
-            peer_id=node.peer_id,
-            known_peers=known,
-            latency_ms=reachable,
-            latency_ms_median=(sorted(reachable.values())[len(reachable) // 2] if reachable else None),
-            unreachable=[p for p, ms in latencies.items() if ms is None],
-            peers=n,
-            size_mb=size_bytes / MIB,
-            seconds=seconds,
-            algbw_mb_s=(size_bytes / MIB) / seconds if seconds > 0 else 0.0,
-            busbw_mb_s=(size_bytes / MIB) * _bus_factor(n) / seconds if seconds > 0 and n > 1 else 0.0,
-            throughput_mb_s=(measured_bytes / MIB) / seconds if seconds > 0 else 0.0,
-            bytes_sent=record.bytes_sent,
-            bytes_received=record.bytes_received,
-            link_mbit=link_mbit,
-            bound_s=bound,
-            efficiency=(bound / seconds if bound and seconds > 0 else None),
-            round=record.to_dict(),
-            ok=not record.error,
-            errors=[record.error] if record.error else [],
-        )
+        result = _real_result(node.peer_id, known, latencies, record, numel=numel, link_mbit=link_mbit)
         _notify(progress, "done", 1.0)
         return result
     finally:
         if swarm is not None:
             swarm.shutdown()
         node.shutdown()
+
+
+def _real_config(prefix: str, min_group_size: int, target_group_size: int, matchmaking_s: float,
+                 round_timeout_s: float):
+    """Averaging settings of the swarm benchmark, on its own ``prefix`` (never a training one)."""
+    from dtrain.swarm.averaging import AveragingConfig
+
+    return AveragingConfig(
+        prefix=prefix,
+        min_group_size=min_group_size,
+        target_group_size=target_group_size,
+        min_matchmaking_time_s=matchmaking_s,
+        request_timeout_s=min(3.0, matchmaking_s / 2),
+        matchmaking_timeout_s=round_timeout_s,
+        allreduce_timeout_s=round_timeout_s,
+        sender_timeout_s=30.0,
+        allow_state_sharing=False,
+        aggregation="mean",  # a measurement of the links: no robust aggregation's CPU in the figure
+    )
+
+
+def _real_result(peer_id: str, known: int, latencies: dict, record, *, numel: int,
+                 link_mbit: Optional[float]) -> dict:
+    """The swarm benchmark's report: latencies, the round's figures and the link bound beside them."""
+    reachable = {p: ms for p, ms in latencies.items() if ms is not None}
+    n = len(record.group)
+    size_bytes = numel * 4
+    seconds = record.allreduce_s
+    measured_bytes = record.bytes_sent + record.bytes_received
+    link_bps = link_mbit * 1e6 / 8 if link_mbit else None
+    bound = link_bound_s(size_bytes, n, link_bps) if link_bps else None
+    return dict(
+        mode="real",
+        peer_id=peer_id,
+        known_peers=known,
+        latency_ms=reachable,
+        latency_ms_median=(sorted(reachable.values())[len(reachable) // 2] if reachable else None),
+        unreachable=[p for p, ms in latencies.items() if ms is None],
+        peers=n,
+        size_mb=size_bytes / MIB,
+        seconds=seconds,
+        algbw_mb_s=(size_bytes / MIB) / seconds if seconds > 0 else 0.0,
+        busbw_mb_s=(size_bytes / MIB) * _bus_factor(n) / seconds if seconds > 0 and n > 1 else 0.0,
+        throughput_mb_s=(measured_bytes / MIB) / seconds if seconds > 0 else 0.0,
+        bytes_sent=record.bytes_sent,
+        bytes_received=record.bytes_received,
+        link_mbit=link_mbit,
+        bound_s=bound,
+        efficiency=(bound / seconds if bound and seconds > 0 else None),
+        round=record.to_dict(),
+        ok=not record.error,
+        errors=[record.error] if record.error else [],
+    )
