@@ -157,22 +157,7 @@ def check_reachability(*, network: str, role: str, announce_maddrs=(), host_madd
     if status_maddrs:
         # Judge what hivemind really announces, not only what the config predicts.
         findings = [f for f in findings if f.what != "p2p"] + [ra.check_p2p(status_maddrs, network, source=source)]
-    entries = []
-    for maddr in maddrs:
-        entry: dict[str, Any] = {"maddr": maddr, "class": ra.classify_maddr(maddr), "tcp_connect": None,
-                                 "tcp_error": None, "tcp_seconds": None, "dialed": None, "dial_error": None}
-        try:
-            parsed = ra.parse_maddr(maddr)
-        except ra.AddressError as exc:
-            entry["tcp_error"] = str(exc)
-            entries.append(entry)
-            continue
-        if parsed.relayed:
-            entry["tcp_error"] = "a relayed (p2p-circuit) address: the TCP port is the relay's, not tested"
-        elif parsed.transport == "tcp" and parsed.port and entry["class"] != ra.UNSPECIFIED:
-            ok, error, seconds = _tcp_connect(parsed.host, parsed.port, timeout)
-            entry.update(tcp_connect=ok, tcp_error=error or None, tcp_seconds=seconds)
-        entries.append(entry)
+    entries = [_p2p_entry(maddr, timeout) for maddr in maddrs]
     dialable = [e["maddr"] for e in entries if e["tcp_connect"] and ra.parse_maddr(e["maddr"]).peer_id]
     if dial_p2p and dialable:
         for maddr, (ok, error) in _dial(dialable, timeout).items():
@@ -180,8 +165,35 @@ def check_reachability(*, network: str, role: str, announce_maddrs=(), host_madd
             entry.update(dialed=ok, dial_error=error or None)
     doc["p2p"] = {"source": source, "peer_id": peer_id, "addresses": entries}
     doc["findings"] = [f.to_dict() for f in findings]
+    problems = _problems(findings, doc["api"], entries, source=source, api_port=api_port)
+    doc["warnings"] = [f.message for f in findings if f.level == ra.WARN]
+    doc["problems"] = problems
+    doc["ok"] = not problems
+    doc["limits"] = LIMITS
+    return doc
+
+
+def _p2p_entry(maddr: str, timeout: float) -> dict[str, Any]:
+    """One p2p address of the report, with a TCP handshake to it where that tests something."""
+    entry: dict[str, Any] = {"maddr": maddr, "class": ra.classify_maddr(maddr), "tcp_connect": None,
+                             "tcp_error": None, "tcp_seconds": None, "dialed": None, "dial_error": None}
+    try:
+        parsed = ra.parse_maddr(maddr)
+    except ra.AddressError as exc:
+        entry["tcp_error"] = str(exc)
+        return entry
+    if parsed.relayed:
+        entry["tcp_error"] = "a relayed (p2p-circuit) address: the TCP port is the relay's, not tested"
+    elif parsed.transport == "tcp" and parsed.port and entry["class"] != ra.UNSPECIFIED:
+        ok, error, seconds = _tcp_connect(parsed.host, parsed.port, timeout)
+        entry.update(tcp_connect=ok, tcp_error=error or None, tcp_seconds=seconds)
+    return entry
+
+
+def _problems(findings, api: dict[str, Any] | None, entries: list[dict[str, Any]], *, source: str,
+              api_port: int) -> list[str]:
+    """What stops validators and peers from reaching this node, each with the fix."""
     problems = [f.message for f in findings if f.level == ra.REFUSE]
-    api = doc["api"]
     if api is not None:
         if api.get("error"):
             problems.append(api["error"])
@@ -201,8 +213,4 @@ def check_reachability(*, network: str, role: str, announce_maddrs=(), host_madd
                             f"({e['dial_error']})")
     if not entries:
         problems.append(f"no p2p address to test: {source}")
-    doc["warnings"] = [f.message for f in findings if f.level == ra.WARN]
-    doc["problems"] = problems
-    doc["ok"] = not problems
-    doc["limits"] = LIMITS
-    return doc
+    return problems
