@@ -1,28 +1,9 @@
-"""Atomic, verifiable checkpoints.
+"""Atomic, verifiable checkpoints, and the publishing extras ``dtrain push`` reads beside them.
 
-Layout of a checkpoint directory::
-
-    ckpt-00000007.pt   torch.save payload (loaded with weights_only=True: no pickle code runs)
-    ckpt-00000006.pt   the previous one, kept until a newer one is complete
-    LATEST             JSON: {"format", "seq", "file", "size", "sha256", "previous": {...}}
-
-Saving: the payload goes to a temp file in the same directory (hashed while
-written), is fsynced, renamed (os.replace) to its final name and the directory
-fsynced; then LATEST is rewritten the same way. Only after that are files older
-than the previous checkpoint removed. A kill at any instant leaves LATEST
-pointing at a complete file whose size and SHA-256 it records; stray temp files
-from a killed writer are ignored and cleaned up by the next save.
-
-Publishing extras (written by miners after a checkpoint, read by ``dtrain push``, so that
-a push from another process produces the same complete Hugging Face repo offline)::
-
-    tokenizer-<digest>/ the tokenizer's own save_pretrained output (content-addressed)
-    PUBLISH             JSON: {"format", "checkpoint": {"seq", "sha256"}, "tokenizer", "facts"}
-
-The tokenizer folder is written under a temp name and renamed complete; PUBLISH is
-replaced atomically afterwards and names the checkpoint it describes. A kill between the
-checkpoint and PUBLISH leaves a PUBLISH that names an older checkpoint, which readers
-ignore (its facts would be wrong): the checkpoint itself is never affected.
+Every file is written to a temp name, fsynced and renamed, and ``LATEST`` names the current
+checkpoint with its size and SHA-256, so a kill at any instant leaves a complete, verifiable
+checkpoint. Layout and guarantees: docs/training.md ("Checkpoints"); ``PUBLISH`` and the
+tokenizer copy: docs/model-store.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Why a Hugging Face Hub download failed, in words an operator can act on.
 
-transformers and datasets wrap the Hub client's errors in an OSError whose text always
-suggests the same things. The cause chain keeps the real reason, and the fix differs:
-
-    not in the cache while offline   download it ahead (``hf download``), or unset HF_HUB_OFFLINE
-    Hub unreachable                  network/proxy, a mirror (HF_ENDPOINT), or pre-download + offline
-    no such repository               a typo in the id, or a private/gated repo that needs a token
-    no such revision                 a branch, tag or commit that the repo does not have
-    repo lacks the file              the id names a repo that is not a tokenizer/model/dataset
-
-Only the standard library is imported at module level (the CLI's ``--help`` path may
-import this module through dtrain.training.tokenizer); huggingface_hub is imported
-inside functions and only to read its constants and error classes.
+transformers and datasets wrap the Hub client's errors in an OSError that always suggests the
+same things; the cause chain keeps the real reason (not cached while offline, Hub unreachable,
+no such repository or revision, a repo without the file), and each has its own fix
+(docs/training.md, "Tokenizer"). Only the standard library is imported at module level: the
+CLI's ``--help`` may import this module through dtrain.training.tokenizer.
 """
 
 from __future__ import annotations

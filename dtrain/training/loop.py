@@ -1,16 +1,9 @@
 """What a checkpoint holds of a training loop, and a resumable offline loop.
 
-``training_state`` / ``restore_training_state`` / ``resume_or_start`` are what the
-miner and the validator checkpoint and resume with (``dtrain.neurons.base``): trainer
-state, run_id/uid/epoch, the page counter and the RNG state.
-
-``run_local_training`` trains on a miner's assigned pages with no swarm: step s
-trains on page counters [page_counter, page_counter + pages_per_step). It saves the
-page counter with every checkpoint, so a resumed loop continues with the same next
-batch and, on CPU, bit-identical losses; benchmarks and the checkpoint tests use it.
-A neuron is different: it checkpoints at round boundaries with page counter 0 (its
-half-filled accumulation is not saved), so a restarted miner re-trains the epoch's
-pages from the start (docs/training.md).
+``training_state`` / ``restore_training_state`` / ``resume_or_start`` are what the miner and
+the validator checkpoint and resume with. ``run_local_training`` trains on a miner's assigned
+pages with no swarm (benchmarks and tests); it saves its page counter with every checkpoint, so
+a resume is exact. How a neuron's resume differs: docs/training.md ("Checkpoints").
 """
 
 from __future__ import annotations

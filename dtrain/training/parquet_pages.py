@@ -1,23 +1,11 @@
 """Windows of documents read straight from parquet files, by row group.
 
-The streaming path (``datasets`` ``.shard().skip().take()``) re-opens a shard and
-decodes every column of every row before the window, so a read costs O(position).
-A parquet footer records how many rows each row group holds; with it, the window
-``[start, stop)`` of a shard maps to one or two row groups, and only the text
-column of those row groups is read. pyarrow fetches the byte ranges of that column
-chunk only, so a remote file (``hf://`` through huggingface_hub's HfFileSystem, or
-any fsspec URL) costs a footer once and then one column chunk per uncached window.
-
-What is kept, bounded:
-- the row counts of every shard touched (a few integers per row group, never evicted);
-- open ``ParquetFile`` handles with their footers (``max_open_files``, LRU): FineWeb
-  has hundreds of shards and a footer can be hundreds of KB;
-- the decoded text column of the last row groups read (``cached_row_groups``, LRU):
-  consecutive windows of a shard share a row group, so a page's neighbours are free.
-
-The documents returned are exactly those the streaming path returns for the same
-file and window (tests/test_training_parquet.py compares the two on every page).
-pyarrow is imported lazily: ``dtrain --help`` must not pay for it.
+A parquet footer records the rows of every row group, so a window maps to the one or two row
+groups holding it and only their text column is read: a page costs the same wherever it lies
+in its shard, local or remote (``hf://`` through HfFileSystem, any fsspec URL). It returns
+exactly the documents the streaming path does (tests/test_training_parquet.py). Open files,
+footers and decoded row groups are kept in bounded LRUs; docs/training.md ("Data") has the
+details. pyarrow is imported lazily: ``dtrain --help`` must not pay for it.
 """
 
 from __future__ import annotations

@@ -50,9 +50,8 @@ def position_inner_lr(trainer, *, epoch: int, inner_steps: int, step_index: int,
     moments stand for (the trajectory's ``t0``). The miner and the validator's replay both call this.
 
     No ramp while the schedule itself still warms up (the run's first ``warmup_steps``): it
-    already rises from zero there, and the two ramps multiplied made the first epoch's rate
-    the square of either (+0.35 percentage points of held-out gap at H = 100 in
-    benchmarks/convergence.py, docs/training.md)."""
+    already rises from zero there, and the two ramps multiplied would square the rate
+    (docs/training.md, "What each mode costs")."""
     position = schedule_position(epoch, inner_steps, step_index)
     trainer.set_schedule_position(position)
     if position < trainer.config.warmup_steps:

@@ -1,23 +1,11 @@
 """How far apart two honest replicas of the model are, and how far they may be.
 
-Every peer of a successful round applies the same averaged gradient, so honest replicas
-differ only by floating-point arithmetic: torch's fused AdamW (picked on CUDA) rounds
-differently from the plain one, CUDA kernels from CPU ones. Comparing parameters bit for
-bit would therefore exclude honest miners on other hardware; dtrain compares them with a
-relative L2 tolerance instead.
-
-``REPLICA_RTOL`` was chosen from ``benchmarks/replica_drift.py`` (docs/scoring.md has the
-figures): fused vs plain AdamW, fed the same gradients, drift apart by 6e-10 of the
-parameter norm after one step and 2.2e-8 after 300 (the drift grows sub-linearly), while one
-optimizer step moves the parameters by 3.9e-4 to 2.1e-3 of their norm. 2e-6 sits about
-100x above 300 steps of honest drift and 200x below the smallest step, so a replica that
-skipped, repeated or altered a step is outside it; one that drifts past it honestly is
-resynchronised (neurons/base.py).
-
-A *parameter sketch* is the CountSketch of the flat float32 parameters (the same hashing
-as gradient fingerprints, under its own seed): linear, so the distance between two
-sketches estimates the distance between the parameter vectors (within about
-``sqrt(2 / k)`` relative, 9 % at k = 256) without sending them.
+Honest replicas differ only by floating-point rounding (fused vs plain AdamW, CUDA vs CPU
+kernels), so parameters are compared with a relative L2 tolerance, ``REPLICA_RTOL``, never bit
+for bit; docs/scoring.md ("Replica tolerance") gives the measured drift it was chosen from.
+A *parameter sketch* is the CountSketch of the flat float32 parameters (under its own seed):
+linear, so the distance of two sketches estimates the distance of the parameter vectors
+(within about ``sqrt(2 / k)`` relative, 9 % at k = 256) without sending them.
 """
 
 from __future__ import annotations

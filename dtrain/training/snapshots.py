@@ -1,12 +1,8 @@
 """DiLoCo snapshots: the inner-loop state a miner keeps so validators can replay its steps.
 
-A snapshot is the inner trainer's state after some number of inner steps: parameters, then
-AdamW's ``exp_avg``, then ``exp_avg_sq``, each in the trainer's parameter order, flattened,
-float32 little-endian. It is stored as one raw file per (epoch, step), written atomically,
-and served byte ranges at a time through ``/v1/state-slice`` (``epoch`` and ``snapshot``
-fields), so a validator downloads it with the same signed, size-capped client as the
-bandwidth check. The miner commits each snapshot's sketches in its trajectory report
-(``dtrain.training.trajectory``) before anyone asks for it.
+A snapshot is the inner trainer's parameters, ``exp_avg`` and ``exp_avg_sq`` as raw float32,
+one file per (epoch, step), written atomically and served byte ranges at a time through
+``/v1/state-slice``. The format and how validators use it: docs/protocol.md ("Snapshots").
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The local trainer: micro-batches, gradient accumulation, optimizer step.
+"""The local trainer: micro-batches, gradient accumulation, optimizer step, and the seam the
+swarm uses (``accumulate``, ``gradients``, ``set_gradients``, ``step``, ``zero_grad``).
 
-The swarm seam: ``accumulate()`` only adds gradients; ``gradients()`` exposes them
-(stable parameter order) with ``accumulated_samples``; a caller may
-``set_gradients()`` (e.g. with the all-reduced average) and then ``step()``, or
-``zero_grad()`` to drop the accumulation. ``flat_parameters()`` /
-``set_flat_parameters()`` serve DiLoCo pseudo-gradients and catch-up loading.
-
-Gradient convention: after accumulating micro-batches of b_1..b_m samples the
-``.grad`` tensors hold  sum_j b_j * grad(mean token loss of micro-batch j), i.e.
-the gradient *summed over samples*. ``step()`` divides by ``accumulated_samples``
-before clipping, so the update uses the per-sample mean however the local batch
-was split. The swarm averages sums and sample counts, which weights peers by
-the samples they actually processed.
+Gradients are *summed over samples*; ``step()`` divides by ``accumulated_samples`` before
+clipping, so the update is the per-sample mean however the batch was split, and the swarm
+weights peers by the samples they processed. docs/training.md ("Trainer") has the API.
 """
 
 from __future__ import annotations
