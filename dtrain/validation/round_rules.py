@@ -1,26 +1,10 @@
-"""The decisions that steer one validation round, as pure functions of what was measured.
+"""The decisions that steer one validation round (whom to check, when to follow the swarm or
+resynchronise, probation, each miner's verdict), as pure functions of what was measured.
 
-The validator neuron (dtrain/neurons/validation_round.py) does a round's I/O phase by phase;
-whenever it must decide something it asks here, in the order the round runs:
-
-- ``select_targets``: which committed miners this round checks, and which of them share a
-  peer id (none of those is trusted);
-- ``majority_epoch_ahead``: most miners are at a later epoch, so follow the swarm there;
-- ``swarm_settings_problem``: a miner's swarm fingerprint says its work cannot be checked here;
-- ``answers_look_stale``: a miner's answers did not fit our epoch; ask where it is now;
-- ``drifted_alone``: most miners' parameters are far from ours, so this replica drifted;
-- ``may_contribute``: whether a miner gets weight in the round's all-reduce;
-- ``fellow_validators``: the other validators of the round's group, named next round;
-- ``skip_overtaken``: another validator's round overtook ours, so catch up and run it again;
-- ``probation_update``: who goes (or stays) on probation after the audits;
-- ``miner_verdict``: a miner's outcome, note and scoring input for the round.
-
-What a single piece of evidence means (a Train answer, an audit, the work verdict, the
-scoring input) is decided in ``dtrain.validation.verification``, which these functions call;
-the outcome codes come from ``dtrain.swarm.records``. Calls go one way only: the neuron
-calls here, here calls verification, verification reads records.
-
-Nothing here imports torch, the network or the clock (tests/test_validation_round_rules.py).
+The validator neuron (dtrain/neurons/validation_round.py) does the round's I/O and asks here,
+in the order the round runs; what a single piece of evidence means is decided in
+``dtrain.validation.verification``, which these functions call (docs/scoring.md). Nothing here
+imports torch, the network or the clock (tests/test_validation_round_rules.py).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Per-round scoring of miners: pure functions over plain dataclasses.
 
-Nothing here touches the network, the chain, torch or the clock, so every rule can be
-unit-tested and replayed. The formulas and the reasons behind them are written up in
-``docs/scoring.md``; keep the two in step.
-
-Flow for one validation round::
-
-    inputs: dict[uid, MinerRoundInput]
-        -> score_round(inputs, config)      -> dict[uid, RoundScore]   (components + combined)
-        -> update_ema(state, combined, hotkeys, alpha) -> EmaState     (per-uid smoothing)
-        -> dtrain.validation.weights.compute_weights(ema)              (normalised weights)
+``score_round`` turns each miner's measurements into gated component scores, ``update_ema``
+smooths them per uid, and dtrain.validation.weights turns the EMA into weights. Nothing here
+touches the network, the chain, torch or the clock. The formulas and their reasons are in
+docs/scoring.md; keep the two in step.
 """
 
 from __future__ import annotations

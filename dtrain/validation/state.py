@@ -1,13 +1,7 @@
-"""Validator state that must survive a restart, saved atomically as JSON.
-
-What is kept: the EMA score and owning hotkey per uid, the last round's component scores
-per uid, a bounded list of recent round summaries, and the weight-setting memory. Losing
-this file only costs reputation warm-up; corrupting it silently would be worse, so a bad
-file is an error that names it, never a quiet reset.
-
-Write protocol: serialise -> write ``<name>.tmp`` in the same directory -> fsync ->
-copy the current good file to ``<name>.bak`` -> ``os.replace`` tmp over the file ->
-fsync the directory. A crash at any point leaves either the old or the new file whole.
+"""Validator state that must survive a restart (EMA and hotkey per uid, last scores, recent
+rounds, the weight-setting memory), saved atomically as JSON with the previous good file kept
+as ``.bak``. A bad file is an error that names it, never a quiet reset (docs/scoring.md,
+"Persistence").
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Per-round verification of miners: what each piece of evidence means, as pure decisions.
+"""What each piece of evidence about a miner means, decided once, as pure functions: a Train
+answer, the weight caps, which committed pages or DiLoCo steps are audited and the work verdict,
+probation, stale evidence from another validator's round, and the scoring input.
 
-The validator does the I/O (dtrain/neurons/validation_round.py: queries, recomputation on
-its replica, the all-reduce; the work audits in dtrain/modes/); the decisions that steer its
-round (whom to check, when to follow the swarm, a miner's verdict) are in
-``dtrain.validation.round_rules``, which calls these. What a piece of evidence means is
-decided here, once:
-
-- ``in_sync_problem``, ``answer_problem``, ``choose_recomputed``: whether a Train answer can
-  be checked, and which of its micro-batches are recomputed;
-- ``train_passed``: whether a miner's Train answer verified (its weight cap for the round);
-- ``weight_caps``: the per-peer caps sent with the AllReduce query;
-- ``choose_audit_pages``: which of a miner's committed pages are recomputed, drawn with the
-  validator's secret randomness *after* the miner committed to them in the round's gather;
-- ``check_page_ids``: whether the committed pages are the miner's own assignment;
-- ``judge_work``: the work verdict from those checks and the recomputations;
-- ``choose_replay_segment``, ``trajectory_shape_problem``, ``sketch_mismatch``, ``judge_trajectory``:
-  the same for a DiLoCo miner's committed inner steps (a replayed stretch instead of pages);
-- ``on_probation``, ``update_probation``: miners whose work failed an audit get no weight
-  and no score for ``PROBATION_ROUNDS`` rounds;
-- ``overtaken_by``, ``moved_on_during_checks``, ``excuse_moved_on``: evidence that another
-  validator's round ran in the middle of ours is stale, not evidence against the miners;
-- ``round_input``: the scoring input (dtrain.validation.scoring) built from all of it.
-
-Calls go one way: round_rules -> here -> scoring and ``dtrain.swarm.records`` (the outcome codes).
-
-Nothing here imports torch, the network or the clock (tests/test_validation_verification.py).
+``dtrain.validation.round_rules`` calls these; they call ``dtrain.validation.scoring`` and read
+``dtrain.swarm.records`` (the outcome codes), never the other way round. docs/scoring.md and
+docs/protocol.md explain the rules. Nothing here imports torch, the network or the clock
+(tests/test_validation_verification.py).
 """
 
 from __future__ import annotations
