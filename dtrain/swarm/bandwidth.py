@@ -1,17 +1,10 @@
 """Engine of ``dtrain benchmark-bandwidth`` (the CLI shell lives in dtrain.cli).
 
-Both modes return a plain, JSON-serialisable dict and accept ``progress(stage, fraction)``,
-a plain callable the CLI can turn into a progress bar.
-
-* ``run_local``: N real averaging peers (own DHT + averager process + p2pd each) on loopback
-  average ``size_mb`` MiB of float32; the result is checked against the exact mean.
-* ``run_real``: join the swarm from the given initial peers, measure ping latency to the peers
-  we know, run one real averaging round on a *separate* benchmark prefix (so it never touches
-  training gradients), and report the figures beside the link bound.
-
-Butterfly all-reduce moves 2·D·(n−1)/n bytes per peer, so with link bandwidth B the time
-is at least ``bound_s = 2·D·(n−1)/n / B``; ``busbw = D·2(n−1)/n / seconds`` is the figure
-comparable with B (NCCL's convention), ``algbw = D / seconds``.
+``run_local`` averages float32 among N real loopback peers and checks the exact mean;
+``run_real`` joins the swarm, pings the known peers and runs one round on a benchmark prefix
+(never a training one). Both return a JSON-able dict and take ``progress(stage, fraction)``.
+The figures (``algbw``, ``busbw`` as NCCL reports it, the link bound): docs/swarm.md,
+"``benchmark-bandwidth`` engine".
 """
 
 from __future__ import annotations

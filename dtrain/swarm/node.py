@@ -1,16 +1,10 @@
 """Peer identity and discovery: one hivemind DHT per process, with a persistent key.
 
-- The Ed25519 libp2p key lives in ``<data_dir>/p2p_identity.key`` (hivemind's ``identity_path``),
-  so the peer id, which is what miners commit on chain, survives restarts.
-- Bootstrap comes only from the caller's ``initial_peers`` (chain commitments + config);
-  there is no built-in address.
-- A node that reaches nobody does not crash: it starts anyway, logs a clear warning, and
-  ``ensure_connected`` keeps retrying with exponential backoff. Callers that must have peers
-  get a ``NoPeersReachable`` exception (a ``ConnectionError``) once their deadline passes.
-- Every call into the DHT process is bounded (:meth:`SwarmNode.call`): hivemind's own
-  ``run_coroutine`` waits forever for a process that died (the OOM killer, a crash) or hangs,
-  and the neuron's thread with it. :meth:`SwarmNode.problem` says whether the node still
-  answers; neurons restart a node that does not (dtrain/neurons/swarm_health.py).
+The peer id survives restarts (the key lives in ``<data_dir>/p2p_identity.key``); bootstrap
+comes only from the caller's ``initial_peers``; a node that reaches nobody starts isolated and
+``ensure_connected`` retries with backoff; every call into the DHT process is bounded
+(:meth:`SwarmNode.call`), because hivemind's own ``run_coroutine`` waits for ever on a dead
+process. docs/swarm.md ("Identity and discovery") has the details.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""Can other machines reach this node? Parse and classify the addresses a node announces,
-and decide whether starting with them is fine, worth a warning, or must be refused.
+"""Can other machines reach this node? Parse and classify the addresses a node announces (its
+p2p multiaddrs, a miner's committed API address), and decide whether starting with them is fine,
+worth a warning, or must be refused.
 
-Pure: no sockets, no DNS, no hivemind. The CLI (``dtrain init``, ``mine``, ``validate``,
-``benchmark-bandwidth --check-reachability``) and the neurons share these rules, so an
-address is judged the same way wherever it is typed or announced.
-
-Two addresses make a node reachable (docs/operators.md, "Reachability and NAT"):
-
-* the p2p multiaddrs hivemind announces (``allreduce.announce_maddrs``, or, when none is
-  configured, whatever p2pd finds on the interfaces it listens on): peers dial them for
-  the DHT and all-reduce rounds;
-* a miner's API address (``api.external_address``, or ``api.host:api.port``), committed
-  on chain: validators dial it to query the miner and start rounds.
-
-On a network where peers are other machines (finney, test, a ws:// URL), a loopback-only
-address makes the node unreachable by construction: the miner would train but earn
-nothing, so that is refused *before* anything is committed. A private address
-(RFC 1918, CGNAT, link-local, IPv6 ULA) may be right (a LAN swarm, a VPN) or wrong (NAT
-without port forwarding); it gets a warning. ``sandbox`` and ``local`` (a subtensor on
-127.0.0.1, every peer on one machine) run on loopback by design and are never checked.
+Pure: no sockets, no DNS, no hivemind, so the CLI and the neurons judge an address the same way
+wherever it is typed or announced. The rules (loopback refused on networks of other machines,
+private addresses warned about, sandbox and local never checked): docs/operators.md,
+"Reachability and NAT".
 """
 
 from __future__ import annotations
