@@ -1,12 +1,9 @@
-"""``dtrain sandbox``: a whole subnet on this machine.
+"""``dtrain sandbox``: a whole subnet on this machine (README.md, "What the sandbox shows").
 
-It creates the embedded chain, real sr25519 wallets, one or more validators and the
-miners, each a separate ``dtrain mine`` / ``dtrain validate`` process on loopback with
-the tiny model and the shipped text. The validators are independent, as on the live
-subnet (no master): each runs ``rounds`` rounds, sets its own weights and exits; then
-every miner is stopped with SIGINT (clean checkpoint, DHT left) and anything still
-alive after a grace period is killed with its whole process group, so no p2pd daemon
-outlives the sandbox.
+It creates the embedded chain and real sr25519 wallets, starts each miner and validator as its
+own ``dtrain mine`` / ``dtrain validate`` process on loopback, waits for the validators' rounds,
+then stops every neuron with SIGINT and kills what is left with its whole process group, so no
+p2pd daemon outlives the sandbox.
 """
 
 from __future__ import annotations
