@@ -193,7 +193,8 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
         raw = dict(zip(apis, pool.map(lambda api: _miner_status(api, probe_timeout), apis.values())))
     # Untrusted: a StatusResponse holds only fields that passed their rules, so a miner
     # answering {"epoch": "x", "loss": 1e999} shows as unknown, it does not crash the report.
-    from dtrain.api.messages import PayloadError, StatusResponse
+    from dtrain.api.messages import StatusResponse
+    from dtrain.api.rules import PayloadError
 
     # A miner that is down still left its last snapshot on this machine (e.g. a finished sandbox).
     offline = {snap.get("hotkey"): snap for snap in snapshots if snap.get("role") == "miner"}

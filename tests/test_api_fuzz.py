@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 bt = pytest.importorskip("bittensor")
 
 from dtrain.api.messages import (  # noqa: E402
-    AllReduceResponse, PayloadError, StatusResponse, TrainRequest, TrainResponse,
+    AllReduceResponse, StatusResponse, TrainRequest, TrainResponse,
 )
+from dtrain.api.rules import PayloadError  # noqa: E402
 from dtrain.api.server import Handlers, MinerApiServer  # noqa: E402
 
 AUTH_HEADERS = ["X-Bittensor-Version", "X-Bittensor-Hotkey", "X-Bittensor-Receiver",

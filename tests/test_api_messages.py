@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from dtrain.api.messages import (
-    MESSAGES, AllReduceRequest, AllReduceResponse, MicroBatchReport, PayloadError, QueryLimits, StateSliceRequest,
-    StatusResponse, TrainRequest, TrainResponse,
+    MESSAGES, AllReduceRequest, AllReduceResponse, MicroBatchReport, QueryLimits, StateSliceRequest, StatusResponse,
+    TrainRequest, TrainResponse,
 )
 from dtrain.api.openapi import openapi_document
+from dtrain.api.rules import PayloadError
 from tests.conftest import REPO
 
 TRAIN = {"nonce": "0xc0ffee", "epoch": 3, "pages": 2, "micro_batch_size": 4, "params_digest": "a1b2c3d4e5f60718"}

@@ -28,10 +28,12 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
+from dtrain.api.message_base import Message
 from dtrain.api.messages import (
-    AllReduceRequest, AllReduceResponse, Message, PayloadError, RoundAuditRequest, RoundAuditResponse,
-    StatusResponse, TrainRequest, TrainResponse,
+    AllReduceRequest, AllReduceResponse, RoundAuditRequest, RoundAuditResponse, StatusResponse, TrainRequest,
+    TrainResponse,
 )
+from dtrain.api.rules import PayloadError
 
 M = TypeVar("M", bound=Message)
 

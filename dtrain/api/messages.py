@@ -1,245 +1,29 @@
-"""The miner API's wire messages, each defined once.
+"""The miner API's wire messages, each defined once, and a miner's own query limits.
 
-A message is a frozen dataclass whose fields carry a :class:`Rule`. The same rules
-
-- parse untrusted JSON (``Message.parse``): the first bad field is named in a
-  :class:`PayloadError`, which the server answers with 422 and the validator's client
-  turns into "malformed answer";
-- write JSON (``Message.to_json``);
-- describe the message in the served OpenAPI document (``Message.json_schema``) and in
-  the field tables of docs/protocol.md (``scripts/gen_protocol_docs.py``),
-
-so the three can no longer drift apart. Unknown fields are ignored: a newer validator
-can talk to an older miner. Only the standard library is used (the validator's client
-and ``dtrain status`` import this module).
+Each message is a :class:`~dtrain.api.message_base.Message` whose fields carry
+:mod:`dtrain.api.rules`; the served OpenAPI document (``dtrain.api.openapi``) and the field
+tables of docs/protocol.md (``scripts/gen_protocol_docs.py``) are built from these types.
+Only the standard library is used (the validator's client and ``dtrain status`` import this).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, TypeVar
+from typing import Any, Mapping
+
+from dtrain.api.message_base import Message, wire
+from dtrain.api.rules import (
+    MAX_JSON_INT, AnyObject, Boolean, Integer, ListOf, MapOf, Nested, Number, PayloadError, Text,
+)
 
 API_VERSION = "1"
 
-MAX_JSON_INT = 2**53  # the largest integer every JSON implementation represents exactly
 MAX_PAGES = 4096
 MAX_MICRO_BATCH = 4096
 MAX_SKETCH = 4096
 MAX_MICROBATCHES = 65536
 MAX_PEERS = 4096
 MAX_WEIGHT = 1e12
-
-
-class PayloadError(ValueError):
-    """The JSON is well formed but does not match the message (HTTP 422). Names the field."""
-
-
-# --------------------------------------------------------------------------- rules
-
-
-class Rule:
-    """What one field accepts. ``check`` returns the (normalised) value or raises PayloadError."""
-
-    def check(self, value: Any, name: str) -> Any:
-        raise NotImplementedError
-
-    def schema(self) -> dict:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        """Short human text for docs/protocol.md ("integer, 1–4096")."""
-        raise NotImplementedError
-
-    def dump(self, value: Any) -> Any:
-        return value
-
-
-def _fmt(x: float) -> str:
-    """A bound as docs write it: 4096, 1e+12, 2^53."""
-    if isinstance(x, int) and x >= 2**20 and x & (x - 1) == 0:
-        return f"2^{x.bit_length() - 1}"
-    if float(x).is_integer() and abs(x) < 1e6:
-        return str(int(x))
-    return f"{x:g}"
-
-
-@dataclass(frozen=True)
-class Integer(Rule):
-    lo: int = 0
-    hi: int = MAX_JSON_INT
-
-    def check(self, value: Any, name: str) -> int:
-        if type(value) is not int:  # bool is an int subclass: refused explicitly
-            raise PayloadError(f"field {name!r} must be an integer")
-        if not self.lo <= value <= self.hi:
-            raise PayloadError(f"field {name!r} must be in {self.lo}..{self.hi}")
-        return value
-
-    def schema(self) -> dict:
-        return {"type": "integer", "minimum": self.lo, "maximum": self.hi}
-
-    def describe(self) -> str:
-        return f"integer, {self.lo}–{_fmt(self.hi)}"
-
-
-@dataclass(frozen=True)
-class Number(Rule):
-    lo: float = -math.inf
-    hi: float = math.inf
-    open_lo: bool = False
-
-    def check(self, value: Any, name: str) -> float:
-        try:
-            # An int too large for a float (JSON allows 400 digits) is not a usable number either.
-            finite = type(value) in (int, float) and math.isfinite(float(value))
-        except OverflowError:
-            finite = False
-        if not finite:
-            raise PayloadError(f"field {name!r} must be a finite number")
-        if value < self.lo or value > self.hi or (self.open_lo and value == self.lo):
-            raise PayloadError(f"field {name!r} must be in {self._range()}")
-        return float(value)
-
-    def _range(self) -> str:
-        lo = "(" if self.open_lo else "["
-        return f"{lo}{_fmt(self.lo)}, {_fmt(self.hi)}]"
-
-    def schema(self) -> dict:
-        out: dict[str, Any] = {"type": "number"}
-        if math.isfinite(self.lo):
-            out["exclusiveMinimum" if self.open_lo else "minimum"] = self.lo
-        if math.isfinite(self.hi):
-            out["maximum"] = self.hi
-        return out
-
-    def describe(self) -> str:
-        if not math.isfinite(self.lo) and not math.isfinite(self.hi):
-            return "number, finite"
-        return f"number in {self._range()}"
-
-
-@dataclass(frozen=True)
-class Text(Rule):
-    pattern: str = ""  # a full-match regular expression; "" accepts any string
-    what: str = "a string"  # how an error message describes an acceptable value
-    max_len: int = 1024
-
-    def check(self, value: Any, name: str) -> str:
-        if not isinstance(value, str) or len(value) > self.max_len or (
-                self.pattern and not re.fullmatch(self.pattern, value)):
-            raise PayloadError(f"field {name!r} must be {self.what}")
-        return value
-
-    def schema(self) -> dict:
-        out: dict[str, Any] = {"type": "string", "maxLength": self.max_len}
-        if self.pattern:
-            out["pattern"] = f"^{self.pattern}$"
-        return out
-
-    def describe(self) -> str:
-        return f"string, {self.what}" if self.what != "a string" else f"string, at most {self.max_len} chars"
-
-
-@dataclass(frozen=True)
-class Boolean(Rule):
-    def check(self, value: Any, name: str) -> bool:
-        if not isinstance(value, bool):
-            raise PayloadError(f"field {name!r} must be true or false")
-        return value
-
-    def schema(self) -> dict:
-        return {"type": "boolean"}
-
-    def describe(self) -> str:
-        return "boolean"
-
-
-@dataclass(frozen=True)
-class ListOf(Rule):
-    item: Rule
-    max_items: int
-
-    def check(self, value: Any, name: str) -> tuple:
-        if not isinstance(value, list) or len(value) > self.max_items:
-            raise PayloadError(f"field {name!r} must be a list of at most {self.max_items} items")
-        return tuple(self.item.check(v, f"{name}[{i}]") for i, v in enumerate(value))
-
-    def schema(self) -> dict:
-        return {"type": "array", "maxItems": self.max_items, "items": self.item.schema()}
-
-    def describe(self) -> str:
-        return f"list of at most {self.max_items}: {self.item.describe()}"
-
-    def dump(self, value: Any) -> Any:
-        return [self.item.dump(v) for v in value]
-
-
-@dataclass(frozen=True)
-class MapOf(Rule):
-    key: Text
-    value: Rule
-    max_entries: int
-    what: str  # e.g. "peer ids to numbers in [0, 1e12]"
-
-    def check(self, value: Any, name: str) -> dict:
-        if not isinstance(value, dict) or len(value) > self.max_entries:
-            raise PayloadError(f"field {name!r} must be an object of at most {self.max_entries} entries")
-        out = {}
-        for k, v in value.items():
-            try:
-                out[self.key.check(k, name)] = self.value.check(v, name)
-            except PayloadError:
-                raise PayloadError(f"field {name!r} must map {self.what}") from None
-        return out
-
-    def schema(self) -> dict:
-        return {"type": "object", "maxProperties": self.max_entries,
-                "propertyNames": self.key.schema(), "additionalProperties": self.value.schema()}
-
-    def describe(self) -> str:
-        return f"object mapping {self.what}, at most {self.max_entries} entries"
-
-    def dump(self, value: Any) -> Any:
-        return dict(value)
-
-
-@dataclass(frozen=True)
-class Nested(Rule):
-    message: type  # a Message subclass
-
-    def check(self, value: Any, name: str) -> Any:
-        return self.message.parse(value, where=name)
-
-    def schema(self) -> dict:
-        return {"$ref": f"#/components/schemas/{self.message.__name__}"}
-
-    def describe(self) -> str:
-        return f"`{self.message.__name__}` object"
-
-    def dump(self, value: Any) -> Any:
-        return value.to_json()
-
-
-@dataclass(frozen=True)
-class AnyObject(Rule):
-    """A JSON object passed through as is (e.g. a round record, documented elsewhere)."""
-
-    what: str = "object"
-
-    def check(self, value: Any, name: str) -> dict:
-        if not isinstance(value, dict):
-            raise PayloadError(f"field {name!r} must be an object")
-        return value
-
-    def schema(self) -> dict:
-        return {"type": "object", "description": self.what}
-
-    def describe(self) -> str:
-        return self.what
-
 
 # Shared spellings of recurring fields.
 HEX_NONCE = Text(r"(0x)?[0-9a-fA-F]{1,128}", "a hex string of 1-128 digits", 130)
@@ -256,101 +40,6 @@ MAX_AUDIT_BYTES = 8 << 20  # decoded bytes in one answer: within the client's 16
 def base64_of(max_bytes: int) -> Text:
     """Standard base64 (with padding) of at most ``max_bytes`` bytes."""
     return Text(r"[A-Za-z0-9+/]*={0,2}", f"base64 of at most {max_bytes} bytes", 4 * ((max_bytes + 2) // 3))
-
-
-def wire(rule: Rule, doc: str, *, optional: bool = False, nullable: bool = False) -> Any:
-    """A message field: its rule, its documentation, and whether it may be absent (None) or null."""
-    meta = {"rule": rule, "doc": doc, "optional": optional, "nullable": nullable}
-    if optional or nullable:
-        return dataclasses.field(default=None, metadata=meta)
-    return dataclasses.field(metadata=meta)
-
-
-# --------------------------------------------------------------------------- messages
-
-M = TypeVar("M", bound="Message")
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    name: str
-    rule: Rule
-    doc: str
-    optional: bool
-    nullable: bool
-
-
-@dataclass(frozen=True)
-class Message:
-    """Base of every wire message (see the module docstring)."""
-
-    summary: ClassVar[str] = ""
-
-    @classmethod
-    def specs(cls) -> list[FieldSpec]:
-        return [FieldSpec(f.name, f.metadata["rule"], f.metadata["doc"], f.metadata["optional"],
-                          f.metadata["nullable"]) for f in dataclasses.fields(cls)]
-
-    @classmethod
-    def parse(cls: type[M], data: Any, *, where: str = "", lenient: bool = False) -> M:
-        """Check untrusted JSON ``data`` against every field rule; PayloadError names the first bad one.
-
-        ``lenient`` (for public, best-effort documents such as ``/v1/status``) turns a bad
-        optional field into None instead of refusing the whole message.
-        """
-        label = f"{where}: " if where else ""
-        if not isinstance(data, dict):
-            raise PayloadError(f"{label}body must be a JSON object" if not where else
-                               f"field {where!r} must be an object")
-        values = {}
-        for spec in cls.specs():
-            name = f"{where}.{spec.name}" if where else spec.name
-            if spec.name not in data:
-                if spec.optional:
-                    values[spec.name] = None
-                    continue
-                raise PayloadError(f"field {name!r} is required")
-            raw = data[spec.name]
-            if raw is None and spec.nullable:
-                values[spec.name] = None
-                continue
-            try:
-                values[spec.name] = spec.rule.check(raw, name)
-            except PayloadError:
-                if lenient and spec.optional:
-                    values[spec.name] = None
-                    continue
-                raise
-        return cls(**values)
-
-    def to_json(self) -> dict:
-        """The message as JSON data; absent optional fields are left out."""
-        out = {}
-        for spec in self.specs():
-            value = getattr(self, spec.name)
-            if value is None:
-                if spec.optional:
-                    continue
-                out[spec.name] = None
-                continue
-            out[spec.name] = spec.rule.dump(value)
-        return out
-
-    @classmethod
-    def json_schema(cls) -> dict:
-        """JSON Schema (2020-12, as OpenAPI 3.1 uses) of the message."""
-        props = {}
-        for spec in cls.specs():
-            schema = dict(spec.rule.schema())
-            if spec.nullable:
-                schema = {"anyOf": [schema, {"type": "null"}]}
-            schema["description"] = spec.doc
-            props[spec.name] = schema
-        out: dict[str, Any] = {"type": "object", "properties": props,
-                               "required": [s.name for s in cls.specs() if not s.optional]}
-        if cls.__doc__:
-            out["description"] = " ".join(cls.__doc__.split())
-        return out
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ describe a field the code does not parse, or miss one it does.
 
 from __future__ import annotations
 
+from dtrain.api.message_base import Message
 from dtrain.api.messages import (
-    API_VERSION, MESSAGES, AllReduceRequest, AllReduceResponse, ErrorResponse, Message, RoundAuditRequest,
-    RoundAuditResponse, StateSliceRequest, StatusResponse, TrainRequest, TrainResponse,
+    API_VERSION, MESSAGES, AllReduceRequest, AllReduceResponse, ErrorResponse, RoundAuditRequest, RoundAuditResponse,
+    StateSliceRequest, StatusResponse, TrainRequest, TrainResponse,
 )
 
 # The signed endpoints' error statuses, in pipeline order (docs/protocol.md, section 3).

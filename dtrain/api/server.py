@@ -33,11 +33,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from dtrain.api.message_base import Message
 from dtrain.api.messages import (
-    API_VERSION, AllReduceRequest, AllReduceResponse, Message, PayloadError, QueryLimits, RoundAuditRequest,
-    RoundAuditResponse, StateSliceRequest, StatusResponse, TrainRequest, TrainResponse,
+    API_VERSION, AllReduceRequest, AllReduceResponse, QueryLimits, RoundAuditRequest, RoundAuditResponse,
+    StateSliceRequest, StatusResponse, TrainRequest, TrainResponse,
 )
 from dtrain.api.openapi import openapi_document
+from dtrain.api.rules import PayloadError
 from dtrain.pools import full_thread_pool
 
 log = logging.getLogger("dtrain.api")
