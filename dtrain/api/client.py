@@ -180,6 +180,23 @@ def _loads_strict(raw: bytes) -> Any:
 _PEER_ERRORS = (http.client.HTTPException, OSError, ValueError, RecursionError)
 
 
+def _peer_failure(exc: BaseException, url: str, *, responded: bool, timeout: float) -> ApiError:
+    """One of ``_PEER_ERRORS`` as the ApiError a caller sees; the first matching case wins."""
+    if isinstance(exc, _DeadlineExceeded):
+        return ApiError(f"timed out after {timeout:g}s", url=url)
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return ApiError(f"timed out: {_clean(exc) or 'no data'}", url=url)
+    if isinstance(exc, http.client.HTTPException):
+        # BadStatusLine, LineTooLong, IncompleteRead, RemoteDisconnected, InvalidURL...
+        return ApiError(f"bad HTTP from miner: {type(exc).__name__}: {_clean(exc)}", url=url)
+    if isinstance(exc, OSError):
+        what = "connection lost mid-response" if responded else "unreachable"
+        return ApiError(f"{what}: {_clean(exc)}", url=url)
+    if isinstance(exc, RecursionError):
+        return ApiError("response nested too deeply", url=url)
+    return ApiError(f"invalid response: {_clean(exc)}", url=url)  # ValueError, UnicodeDecodeError included
+
+
 class MinerClient:
     """Calls miners on behalf of a validator wallet (its hotkey signs)."""
 
@@ -222,16 +239,7 @@ class MinerClient:
             if parts.scheme not in ("http", "https"):
                 raise ApiError(f"unsupported scheme {parts.scheme!r}", url=url)
             path = parts.path + target
-            headers = {"Accept": "application/json", "User-Agent": "dtrain-validator", "Connection": "close"}
-            if content_type:
-                headers["Content-Type"] = content_type
-            if miner_hotkey is not None:
-                # Fresh nonce per call: the server rejects replays.
-                headers.update(
-                    self._auth.sign(
-                        self.wallet, method=method, path=target, body=body, receiver_ss58=miner_hotkey
-                    )
-                )
+            headers = self._headers(miner_hotkey, method, target, body, content_type)
             conn = (_HTTPSConnection if parts.scheme == "https" else _HTTPConnection)(parts.netloc)
             conn.deadline = deadline
             conn.request(method, path, body=body if method != "GET" else None, headers=headers)
@@ -240,27 +248,27 @@ class MinerClient:
             if not 200 <= response.status < 300:
                 raise ApiError(self._error_message(response, deadline), status=response.status, url=url)
             return read(response, url, deadline)
-        except ApiError:
-            raise
-        except _DeadlineExceeded:
-            raise ApiError(f"timed out after {timeout or self.timeout:g}s", url=url) from None
-        except (socket.timeout, TimeoutError) as exc:
-            raise ApiError(f"timed out: {_clean(exc) or 'no data'}", url=url) from None
-        except http.client.HTTPException as exc:
-            # BadStatusLine, LineTooLong, IncompleteRead, RemoteDisconnected, InvalidURL...
-            raise ApiError(f"bad HTTP from miner: {type(exc).__name__}: {_clean(exc)}", url=url) from None
-        except OSError as exc:
-            what = "connection lost mid-response" if responded else "unreachable"
-            raise ApiError(f"{what}: {_clean(exc)}", url=url) from None
-        except RecursionError:
-            raise ApiError("response nested too deeply", url=url) from None
-        except ValueError as exc:  # includes UnicodeDecodeError
-            raise ApiError(f"invalid response: {_clean(exc)}", url=url) from None
+        except _PEER_ERRORS as exc:
+            raise _peer_failure(exc, url, responded=responded, timeout=timeout or self.timeout) from None
         finally:
             if conn is not None:
                 conn.close()
                 if conn.real_sock is not None:
                     conn.real_sock.close()
+
+    def _headers(self, miner_hotkey: Optional[str], method: str, target: str, body: bytes,
+                 content_type: Optional[str]) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "dtrain-validator", "Connection": "close"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        if miner_hotkey is not None:
+            # Fresh nonce per call: the server rejects replays.
+            headers.update(
+                self._auth.sign(
+                    self.wallet, method=method, path=target, body=body, receiver_ss58=miner_hotkey
+                )
+            )
+        return headers
 
     @staticmethod
     def _error_message(response: http.client.HTTPResponse, deadline: float) -> str:
