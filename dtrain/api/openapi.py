@@ -46,26 +46,31 @@ def _errors() -> dict:
     return {code: {"description": text, "content": _json(ErrorResponse)} for code, text in SIGNED_ERRORS.items()}
 
 
-def openapi_document(*, max_body_bytes: int, max_slice_bytes: int) -> dict:
-    """OpenAPI 3.1 description of a miner API server with these limits."""
-    auth = [{"name": name, "in": "header", "required": required, "schema": {"type": "string"}}
+def _auth_parameters() -> list[dict]:
+    return [{"name": name, "in": "header", "required": required, "schema": {"type": "string"}}
             for name, required in AUTH_HEADERS]
 
-    def signed_json(summary: str, request: type[Message], response: type[Message]) -> dict:
-        return {"post": {
-            "summary": summary, "security": [{"btauth": []}], "parameters": auth,
-            "requestBody": {"required": True, "content": _json(request),
-                            "description": f"at most {max_body_bytes} bytes"},
-            "responses": {"200": {"description": "ok", "content": _json(response)}, **_errors()},
-        }}
 
-    slice_query = [
+def _signed_json(summary: str, request: type[Message], response: type[Message], max_body_bytes: int) -> dict:
+    """A signed POST endpoint with a JSON body and a JSON answer."""
+    return {"post": {
+        "summary": summary, "security": [{"btauth": []}], "parameters": _auth_parameters(),
+        "requestBody": {"required": True, "content": _json(request),
+                        "description": f"at most {max_body_bytes} bytes"},
+        "responses": {"200": {"description": "ok", "content": _json(response)}, **_errors()},
+    }}
+
+
+def _state_slice(max_slice_bytes: int) -> dict:
+    """``/v1/state-slice``: the fields as query parameters (GET) or a JSON body (POST), raw bytes back."""
+    auth = _auth_parameters()
+    query = [
         {"name": spec.name, "in": "query", "required": True, "description": spec.doc,
          "schema": {"type": "integer", "minimum": spec.rule.lo,  # type: ignore[attr-defined]
                     "maximum": max_slice_bytes if spec.name == "length" else spec.rule.hi}}  # type: ignore[attr-defined]
         for spec in StateSliceRequest.specs()
     ]
-    slice_ok = {
+    ok = {
         "200": {
             "description": "exactly `length` bytes of the float32 parameters from `offset`, wrapping around",
             "headers": {"X-Dtrain-Offset": {"schema": {"type": "integer"}}},
@@ -73,6 +78,18 @@ def openapi_document(*, max_body_bytes: int, max_slice_bytes: int) -> dict:
         },
         **_errors(),
     }
+    return {
+        "get": {"summary": "download a slice of model state (bandwidth check)",
+                "security": [{"btauth": []}], "parameters": auth + query, "responses": ok},
+        "post": {"summary": "same as GET, the fields in a JSON body",
+                 "security": [{"btauth": []}], "parameters": auth,
+                 "requestBody": {"required": True, "content": _json(StateSliceRequest)},
+                 "responses": ok},
+    }
+
+
+def openapi_document(*, max_body_bytes: int, max_slice_bytes: int) -> dict:
+    """OpenAPI 3.1 description of a miner API server with these limits."""
     return {
         "openapi": "3.1.0",
         "info": {"title": "dtrain miner API", "version": API_VERSION,
@@ -89,18 +106,12 @@ def openapi_document(*, max_body_bytes: int, max_slice_bytes: int) -> dict:
             "/v1/status": {"get": {"summary": "public miner status (no secrets)",
                                    "responses": {"200": {"description": "status object",
                                                          "content": _json(StatusResponse)}}}},
-            "/v1/train": signed_json("Train challenge", TrainRequest, TrainResponse),
-            "/v1/allreduce": signed_json("Join an all-reduce round", AllReduceRequest, AllReduceResponse),
-            "/v1/round-audit": signed_json("The secret-seed audit of the last round", RoundAuditRequest,
-                                           RoundAuditResponse),
-            "/v1/state-slice": {
-                "get": {"summary": "download a slice of model state (bandwidth check)",
-                        "security": [{"btauth": []}], "parameters": auth + slice_query, "responses": slice_ok},
-                "post": {"summary": "same as GET, the fields in a JSON body",
-                         "security": [{"btauth": []}], "parameters": auth,
-                         "requestBody": {"required": True, "content": _json(StateSliceRequest)},
-                         "responses": slice_ok},
-            },
+            "/v1/train": _signed_json("Train challenge", TrainRequest, TrainResponse, max_body_bytes),
+            "/v1/allreduce": _signed_json("Join an all-reduce round", AllReduceRequest, AllReduceResponse,
+                                          max_body_bytes),
+            "/v1/round-audit": _signed_json("The secret-seed audit of the last round", RoundAuditRequest,
+                                            RoundAuditResponse, max_body_bytes),
+            "/v1/state-slice": _state_slice(max_slice_bytes),
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {}}}}}},
