@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from dtrain.chain import sandbox
+from dtrain.chain import sandbox, sandbox_db
 from dtrain.chain.base import (
     Chain,
     ChainError,
@@ -182,8 +182,8 @@ def test_set_weights_retries_outage_and_reports_health(chain_dir):
 
 def test_locked_database_is_an_outage_not_a_crash(chain_dir, monkeypatch):
     chain = SandboxChain(chain_dir, retry=FAST)
-    monkeypatch.setattr(sandbox, "BUSY_TIMEOUT_MS", 50)
-    blocker = sqlite3.connect(chain_dir / sandbox.DB_NAME, isolation_level=None)
+    monkeypatch.setattr(sandbox_db, "BUSY_TIMEOUT_MS", 50)
+    blocker = sqlite3.connect(chain_dir / sandbox_db.DB_NAME, isolation_level=None)
     blocker.execute("BEGIN EXCLUSIVE")
     chain._conn.execute("PRAGMA busy_timeout=50")
     try:
@@ -260,7 +260,7 @@ def test_many_processes_share_the_sandbox(chain_dir):
     commitments = chain.commitments()
     assert set(commitments) == set(by_hotkey)
     assert len({c.api for c in commitments.values()}) == writers * per_writer
-    conn = sqlite3.connect(chain_dir / sandbox.DB_NAME)
+    conn = sqlite3.connect(chain_dir / sandbox_db.DB_NAME)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()

@@ -1,11 +1,5 @@
-"""The embedded sandbox chain: SQLite in WAL mode, shared by local processes.
-
-Layout: ``<dir>/chain.sqlite``. Every process (the sandbox command, the
-validator, each miner, ``dtrain status``) opens the same file; WAL lets readers
-run while one writer commits, and a busy timeout makes writers queue instead of
-failing. Writes that must be atomic across processes (uid assignment, weight
-rate limit) run inside ``BEGIN IMMEDIATE`` so the check and the write hold the
-write lock together.
+"""The embedded sandbox chain: a :class:`~dtrain.chain.base.Chain` over a SQLite file shared
+by local processes (its database layer: ``dtrain.chain.sandbox_db``), and ``create`` to make one.
 
 Block clock: ``block = floor((now - genesis) / block_time) + offset``. Time
 advances blocks on its own (default 1 s per block so rate limits pass quickly
@@ -19,19 +13,17 @@ import json
 import math
 import os
 import sqlite3
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from dtrain.chain import sandbox_weights
 from dtrain.chain.base import (
     ChainError,
-    ChainHealth,
     ChainUnavailable,
     Neuron,
     NotPermitted,
     NotRegistered,
-    RateLimited,
     SandboxMissing,
     WeightsStatus,
     choose_version_key,
@@ -41,59 +33,11 @@ from dtrain.chain.commitment import (
     MinerCommitment,
     parse_commitments,
 )
-from dtrain.chain.retry import RetryPolicy, retry_call
+from dtrain.chain.retry import RetryPolicy
+from dtrain.chain.sandbox_db import DB_NAME, SCHEMA, SCHEMA_VERSION, SandboxDatabase, connect
 
-DB_NAME = "chain.sqlite"
-# The version_key each validator last sent with set_weights, so tests and `status` can
-# see what a real chain would have received. Also created on open: sandboxes made before
-# this table existed keep working.
-_VERSION_KEYS_TABLE = (
-    "CREATE TABLE IF NOT EXISTS weights_version_keys ("
-    "uid INTEGER PRIMARY KEY, version_key INTEGER NOT NULL, block INTEGER NOT NULL)"
-)
-SCHEMA_VERSION = 1
 DEFAULT_BLOCK_TIME = 1.0
 DEFAULT_WEIGHTS_RATE_LIMIT = 5
-BUSY_TIMEOUT_MS = 15_000
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS neurons (
-    uid INTEGER PRIMARY KEY,
-    hotkey TEXT NOT NULL UNIQUE,
-    coldkey TEXT,
-    stake REAL NOT NULL DEFAULT 0,
-    validator_permit INTEGER NOT NULL DEFAULT 0,
-    registered_block INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS commitments (
-    hotkey TEXT PRIMARY KEY,
-    data TEXT NOT NULL,
-    block INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS weights (
-    validator_uid INTEGER NOT NULL,
-    target_uid INTEGER NOT NULL,
-    weight REAL NOT NULL,
-    block INTEGER NOT NULL,
-    PRIMARY KEY (validator_uid, target_uid)
-);
-CREATE TABLE IF NOT EXISTS last_update (uid INTEGER PRIMARY KEY, block INTEGER NOT NULL);
-""" + "\n" + _VERSION_KEYS_TABLE
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    # isolation_level=None: we issue BEGIN ourselves so every write
-    # transaction is IMMEDIATE (takes the write lock up front, no upgrade
-    # deadlocks between processes).
-    conn = sqlite3.connect(
-        str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-    )
-    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA foreign_keys=ON")
-    return conn
 
 
 def create(
@@ -121,10 +65,10 @@ def create(
     path = root / DB_NAME
     if path.exists() and not exist_ok:
         raise ChainError(f"sandbox chain already exists at {path}")
-    conn = _connect(path)
+    conn = connect(path)
     try:
         conn.execute("BEGIN IMMEDIATE")
-        for statement in filter(str.strip, _SCHEMA.split(";")):
+        for statement in filter(str.strip, SCHEMA.split(";")):
             conn.execute(statement)
         defaults = {
             "schema_version": str(SCHEMA_VERSION),
@@ -150,7 +94,7 @@ def create(
     return path
 
 
-class SandboxChain:
+class SandboxChain(SandboxDatabase):
     """A :class:`~dtrain.chain.base.Chain` over the sandbox database.
 
     ``hotkey`` is this node's ss58 hotkey (needed for ``commit`` and
@@ -174,76 +118,13 @@ class SandboxChain:
             )
         if not path.is_file():
             raise SandboxMissing(f"no sandbox chain in {root} (expected {path})")
-        self.path = path
+        super().__init__(path, retry=retry, clock=clock)
         self.hotkey = hotkey
         self.network = "sandbox"
-        self.health = ChainHealth()
-        self.retry = retry
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._conn = _connect(path)
-        self._conn.execute(_VERSION_KEYS_TABLE)
         stored = int(self._meta("netuid"))
         if netuid is not None and int(netuid) != stored:
             raise ChainError(f"sandbox at {root} runs netuid {stored}, not {netuid}")
         self.netuid = stored
-
-    # -- plumbing -----------------------------------------------------------------
-
-    def _meta(self, key: str, default: Optional[str] = None) -> str:
-        row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        if row is None:
-            if default is not None:
-                return default
-            raise ChainError(f"sandbox database {self.path} is missing meta key {key!r}")
-        return row[0]
-
-    def _weights_version(self) -> int:
-        # Sandboxes created before the key existed read as 0 (check disabled).
-        return int(self._meta("weights_version", "0"))
-
-    def _run(self, what: str, fn: Callable[[sqlite3.Connection], Any], *, write: bool = False) -> Any:
-        """One transaction, with health tracking and bounded retry on lock contention."""
-
-        def attempt() -> Any:
-            with self._lock:
-                try:
-                    if write:
-                        self._conn.execute("BEGIN IMMEDIATE")
-                    try:
-                        result = fn(self._conn)
-                    except BaseException:
-                        if self._conn.in_transaction:
-                            self._conn.execute("ROLLBACK")
-                        raise
-                    if self._conn.in_transaction:
-                        self._conn.execute("COMMIT")
-                    return result
-                except sqlite3.OperationalError as exc:
-                    # "database is locked" after the busy timeout, or the file
-                    # vanished: an outage, not a logic error.
-                    raise ChainUnavailable(f"sandbox {what}: {exc}") from exc
-
-        return retry_call(attempt, policy=self.retry, health=self.health, what=f"sandbox {what}")
-
-    def _block_at(self, conn: sqlite3.Connection) -> int:
-        genesis = float(self._meta("genesis"))
-        block_time = float(self._meta("block_time"))
-        offset = int(self._meta("offset"))
-        return max(0, int((self._clock() - genesis) // block_time)) + offset
-
-    def _take_fault(self, conn: sqlite3.Connection, op: str) -> bool:
-        faults = json.loads(self._meta("faults"))
-        remaining = int(faults.get(op, 0))
-        if remaining <= 0:
-            return False
-        faults[op] = remaining - 1
-        conn.execute("UPDATE meta SET value = ? WHERE key = 'faults'", (json.dumps(faults),))
-        return True
-
-    def _uid_of(self, conn: sqlite3.Connection, hotkey: str) -> Optional[int]:
-        row = conn.execute("SELECT uid FROM neurons WHERE hotkey = ?", (hotkey,)).fetchone()
-        return None if row is None else int(row[0])
 
     def _require_hotkey(self) -> str:
         if not self.hotkey:
@@ -306,7 +187,7 @@ class SandboxChain:
         """Like subtensor's ``set_weights``; ``version_key`` None picks it the way the
         bittensor backend does (``choose_version_key`` over ``weights_version``)."""
         hotkey = self._require_hotkey()
-        pairs = _normalise(uids, weights)
+        pairs = sandbox_weights.normalise(uids, weights)
 
         def write(conn: sqlite3.Connection) -> None:
             if self._take_fault(conn, "set_weights"):
@@ -321,42 +202,11 @@ class SandboxChain:
                 raise NotPermitted(f"uid {uid} has no validator permit")
             required = self._weights_version()
             key = choose_version_key(required) if version_key is None else int(version_key)
-            if required and key < required:
-                # subtensor's IncorrectWeightVersionKey; not retried (a ChainError).
-                raise ChainError(
-                    f"version_key {key} is older than netuid {self.netuid}'s weights_version "
-                    f"{required} (IncorrectWeightVersionKey)"
-                )
-            known = {row[0] for row in conn.execute("SELECT uid FROM neurons")}
-            unknown = sorted(u for u, _ in pairs if u not in known)
-            if unknown:
-                raise ChainError(f"weights name unregistered uids {unknown[:10]}")
+            sandbox_weights.check_version_key(key, required, self.netuid)
+            sandbox_weights.check_targets(conn, pairs)
             now = self._block_at(conn)
-            rate = int(self._meta("weights_rate_limit"))
-            last = conn.execute("SELECT block FROM last_update WHERE uid = ?", (uid,)).fetchone()
-            if last is not None and rate and now - int(last[0]) < rate:
-                remaining = rate - (now - int(last[0]))
-                raise RateLimited(
-                    f"weights set {now - int(last[0])} blocks ago; rate limit is {rate} blocks "
-                    f"(retry in {remaining})",
-                    blocks_remaining=remaining,
-                )
-            conn.execute("DELETE FROM weights WHERE validator_uid = ?", (uid,))
-            conn.executemany(
-                "INSERT INTO weights(validator_uid, target_uid, weight, block) VALUES (?, ?, ?, ?)",
-                [(uid, target, value, now) for target, value in pairs],
-            )
-            conn.execute(
-                "INSERT INTO last_update(uid, block) VALUES (?, ?) "
-                "ON CONFLICT(uid) DO UPDATE SET block = excluded.block",
-                (uid, now),
-            )
-            conn.execute(
-                "INSERT INTO weights_version_keys(uid, version_key, block) VALUES (?, ?, ?) "
-                "ON CONFLICT(uid) DO UPDATE SET version_key = excluded.version_key, "
-                "block = excluded.block",
-                (uid, key, now),
-            )
+            sandbox_weights.check_rate_limit(conn, uid, now, int(self._meta("weights_rate_limit")))
+            sandbox_weights.store(conn, uid, pairs, key, now)
 
         # _run already retries ChainUnavailable with self.retry.
         self._run("set_weights", write, write=True)
@@ -405,10 +255,6 @@ class SandboxChain:
     def uid(self, hotkey: Optional[str] = None) -> Optional[int]:
         key = hotkey or self._require_hotkey()
         return self._run("uid", lambda c: self._uid_of(c, key))
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
 
     def __enter__(self) -> "SandboxChain":
         return self
@@ -508,20 +354,3 @@ class SandboxChain:
 
         return self._run("info", read)
 
-
-def _normalise(uids: Sequence[int], weights: Sequence[float]) -> list[tuple[int, float]]:
-    """Validate and row-normalise a weight vector like the chain does (sum 1)."""
-    uid_list = [int(u) for u in uids]
-    values = [float(w) for w in weights]
-    if len(uid_list) != len(values):
-        raise ValueError(f"{len(uid_list)} uids but {len(values)} weights")
-    if len(set(uid_list)) != len(uid_list):
-        raise ValueError("duplicate uids in weights")
-    if any(u < 0 for u in uid_list):
-        raise ValueError("uids must be >= 0")
-    if any(not math.isfinite(v) or v < 0 for v in values):
-        raise ValueError("weights must be finite and >= 0")
-    total = sum(values)
-    if total <= 0:
-        return []
-    return [(u, v / total) for u, v in zip(uid_list, values) if v > 0]
