@@ -115,54 +115,24 @@ class HfStore:
         parse_tag(tag)
         src = Path(folder)
         total = sum(f.stat().st_size for f in folder_files(src))
-        attempts = 0
 
         emit(progress, ProgressEvent("prepare", 0, total, message=f"create {self.repo_id} if missing"))
-        _, n = self._call(
+        _, attempts = self._call(
             f"create repo {self.repo_id}",
             lambda: self.api.create_repo(self.repo_id, repo_type="model", exist_ok=True, private=self.private),
             progress,
         )
-        attempts += n
 
         existing, n = self._call(f"list tags of {self.repo_id}", self._remote_tags, progress)
         attempts += n
         if tag in existing:
             emit(progress, ProgressEvent("done", total, total, message=f"{tag} already on the Hub"))
-            return PushResult(
-                target=self.target,
-                tag=tag,
-                revision=existing[tag],
-                url=f"{self.endpoint}/{self.repo_id}/tree/{tag}",
-                attempts=attempts,
-                already_existed=True,
-                bytes_total=total,
-            )
+            return self._result(tag, existing[tag], attempts, total, already_existed=True)
 
         emit(progress, ProgressEvent("upload", 0, total, message=f"uploading {tag}"))
-
-        def upload(ignore: list[str] | None = None) -> Any:
-            return self.api.upload_folder(
-                folder_path=str(src),
-                repo_id=self.repo_id,
-                repo_type="model",
-                commit_message=f"dtrain checkpoint {tag}",
-                ignore_patterns=ignore,
-            )
-
-        try:
-            info, n = self._call(f"upload {tag} to {self.repo_id}", upload, progress)
-        except StoreError as exc:
-            # huggingface_hub asks the Hub to validate README.md's metadata before uploading;
-            # a card the Hub rejects must not stop the weights from reaching peers every round.
-            if _CARD_REJECTED not in str(exc):
-                raise
-            attempts += exc.attempts
-            log.warning("the Hub rejected the model card of %s (%s); pushing it without README.md", tag, exc)
-            info, n = self._call(f"upload {tag} to {self.repo_id}", lambda: upload(["README.md"]), progress)
+        revision, n = self._upload(src, tag, progress)
         attempts += n
         emit(progress, ProgressEvent("upload", total, total, message=f"uploaded {tag}"))
-        revision = getattr(info, "oid", None) or str(info)
 
         emit(progress, ProgressEvent("tag", total, total, message=tag))
         _, n = self._call(
@@ -174,12 +144,42 @@ class HfStore:
         )
         attempts += n
         emit(progress, ProgressEvent("done", total, total, message=tag))
+        return self._result(tag, revision, attempts, total)
+
+    def _upload(self, src: Path, tag: str, progress: ProgressCallback | None) -> tuple[str, int]:
+        """Upload ``src`` as one commit on ``main``; returns (commit id, attempts)."""
+
+        def upload(ignore: list[str] | None = None) -> Any:
+            return self.api.upload_folder(
+                folder_path=str(src),
+                repo_id=self.repo_id,
+                repo_type="model",
+                commit_message=f"dtrain checkpoint {tag}",
+                ignore_patterns=ignore,
+            )
+
+        attempts = 0
+        try:
+            info, n = self._call(f"upload {tag} to {self.repo_id}", upload, progress)
+        except StoreError as exc:
+            # huggingface_hub asks the Hub to validate README.md's metadata before uploading;
+            # a card the Hub rejects must not stop the weights from reaching peers every round.
+            if _CARD_REJECTED not in str(exc):
+                raise
+            attempts += exc.attempts
+            log.warning("the Hub rejected the model card of %s (%s); pushing it without README.md", tag, exc)
+            info, n = self._call(f"upload {tag} to {self.repo_id}", lambda: upload(["README.md"]), progress)
+        return getattr(info, "oid", None) or str(info), attempts + n
+
+    def _result(self, tag: str, revision: str, attempts: int, total: int, *,
+                already_existed: bool = False) -> PushResult:
         return PushResult(
             target=self.target,
             tag=tag,
             revision=revision,
             url=f"{self.endpoint}/{self.repo_id}/tree/{tag}",
             attempts=attempts,
+            already_existed=already_existed,
             bytes_total=total,
         )
 
