@@ -258,62 +258,76 @@ class BackgroundPusher:
 
     def _upload_loop(self) -> None:
         while True:
-            with self._cv:
-                while not self._stop:
-                    if self._s.ready is not None:
-                        wait = 0.0 if self._s.retry_at is None else self._s.retry_at - self._clock()
-                        if wait <= 0:
-                            break
-                        self._cv.wait(timeout=min(wait, 1.0))
-                    else:
-                        self._cv.wait()
-                if self._stop:
-                    return
-                snap = self._s.ready
-                assert snap is not None
-                self._s.ready = None
-                self._s.uploading = snap.tag
-                self._refresh_pending()
+            snap = self._take_ready()
+            if snap is None:
+                return
             try:
                 result = self.store.push(snap.path, snap.tag, progress=self.progress)
             except Exception as e:  # noqa: BLE001 - any failure is reported and retried later
                 log.warning("push of %s failed: %s", snap.tag, e)
-                drop = False
-                with self._cv:
-                    st = self._s.status
-                    n = st.consecutive_failures + 1
-                    self._s.status = replace(
-                        st,
-                        last_error=str(e),
-                        last_error_tag=snap.tag,
-                        last_error_at=time.time(),
-                        failures=st.failures + 1,
-                        consecutive_failures=n,
-                    )
-                    delay = min(self.max_retry_interval, self.retry_interval * 2 ** (n - 1))
-                    self._s.retry_at = self._clock() + delay
-                    if self._s.ready is None:
-                        self._s.ready = snap  # keep it for the retry
-                    else:
-                        drop = True  # a newer snapshot is waiting: latest wins
-                        self._bump_superseded()
-                if drop:
+                if self._record_failure(snap, e):
                     shutil.rmtree(snap.path, ignore_errors=True)
             else:
                 shutil.rmtree(snap.path, ignore_errors=True)
-                with self._cv:
-                    st = self._s.status
-                    self._s.status = replace(
-                        st,
-                        last_success_tag=snap.tag,
-                        last_success_at=time.time(),
-                        last_result=result,
-                        pushed=st.pushed + 1,
-                        consecutive_failures=0,
-                    )
-                    self._s.retry_at = None
+                self._record_success(snap, result)
             finally:
                 with self._cv:
                     self._s.uploading = None
                     self._refresh_pending()
                     self._cv.notify_all()
+
+    def _take_ready(self) -> _Snap | None:
+        """Wait until a snapshot is ready and its retry time has come, and mark it uploading;
+        None once stopped."""
+        with self._cv:
+            while not self._stop:
+                if self._s.ready is not None:
+                    wait = 0.0 if self._s.retry_at is None else self._s.retry_at - self._clock()
+                    if wait <= 0:
+                        break
+                    self._cv.wait(timeout=min(wait, 1.0))
+                else:
+                    self._cv.wait()
+            if self._stop:
+                return None
+            snap = self._s.ready
+            assert snap is not None
+            self._s.ready = None
+            self._s.uploading = snap.tag
+            self._refresh_pending()
+            return snap
+
+    def _record_failure(self, snap: _Snap, error: Exception) -> bool:
+        """Schedule a retry of ``snap`` with a doubling delay; True when a newer snapshot is
+        waiting instead (latest wins) and ``snap`` should be dropped."""
+        with self._cv:
+            st = self._s.status
+            n = st.consecutive_failures + 1
+            self._s.status = replace(
+                st,
+                last_error=str(error),
+                last_error_tag=snap.tag,
+                last_error_at=time.time(),
+                failures=st.failures + 1,
+                consecutive_failures=n,
+            )
+            delay = min(self.max_retry_interval, self.retry_interval * 2 ** (n - 1))
+            self._s.retry_at = self._clock() + delay
+            if self._s.ready is None:
+                self._s.ready = snap  # keep it for the retry
+                return False
+            self._bump_superseded()
+            return True
+
+    def _record_success(self, snap: _Snap, result: PushResult) -> None:
+        with self._cv:
+            st = self._s.status
+            self._s.status = replace(
+                st,
+                last_success_tag=snap.tag,
+                last_success_at=time.time(),
+                last_result=result,
+                pushed=st.pushed + 1,
+                consecutive_failures=0,
+            )
+            self._s.retry_at = None
