@@ -139,18 +139,38 @@ def collect_status(cfg: Config, *, probe_timeout: float = 2.0) -> dict[str, Any]
 
 
 def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
-    from dtrain.chain.base import ChainError
-
     doc: dict[str, Any] = {"network": cfg.chain.network, "netuid": cfg.chain.netuid, "block": None,
                            "time": time.time(), "miners": [], "validators": [], "rounds": [],
                            "global": {"epoch": None, "samples": None, "target_batch": cfg.allreduce.target_batch_size},
                            "local": None, "chain_error": None}
     doc.update(_averaging_mode(cfg))
     local_dirs = _local_dirs(cfg)
+    scores = _add_validator_state(doc, local_dirs)
+    snapshots = _add_local_nodes(doc, local_dirs)
+    chain_view = _read_chain(cfg, doc)
+    if chain_view is None:
+        return doc
+    neurons, commitments, weights = chain_view
+    validators = [n for n in neurons if n.validator_permit]
+    miners = [n for n in neurons if not n.validator_permit]
+    statuses = _probe_miners(miners, commitments, probe_timeout)
+    doc["miners"] = _miner_rows(miners, commitments, statuses, snapshots, _consensus(validators, weights), scores)
+    doc["validators"] = _validator_rows(validators, weights, _local_validator_states(local_dirs))
+    _add_global_progress(doc)
+    return doc
+
+
+def _add_validator_state(doc: dict, local_dirs: list[Path]) -> dict:
+    """The recent rounds of this machine's validator into ``doc``; returns its scores by uid."""
     validator_state = _validator_state(local_dirs, doc)
-    scores = dict(validator_state.ema.scores) if validator_state is not None else {}
-    if validator_state is not None:
-        doc["rounds"] = [_round_view(r) for r in _dicts(validator_state.recent_rounds)[-10:]]
+    if validator_state is None:
+        return {}
+    doc["rounds"] = [_round_view(r) for r in _dicts(validator_state.recent_rounds)[-10:]]
+    return dict(validator_state.ema.scores)
+
+
+def _add_local_nodes(doc: dict, local_dirs: list[Path]) -> list[dict]:
+    """The status snapshots the neurons on this machine wrote, into ``doc``; returns them."""
     snapshots = []
     for d in local_dirs:
         for path in sorted(d.glob("*/status.json")):
@@ -161,6 +181,13 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
         doc["local"] = max(snapshots, key=lambda s: _finite(s.get("started_at")) or 0.0)
         doc["local_nodes"] = [{k: s.get(k) for k in ("role", "uid", "hotkey", "state", "epoch", "loss", "peers_seen",
                                                       "api", "peer_id")} for s in snapshots]
+    return snapshots
+
+
+def _read_chain(cfg: Config, doc: dict) -> tuple | None:
+    """(neurons, commitments, weights), with the block in ``doc``; None with ``doc["chain_error"]``
+    set when the chain cannot be opened or read."""
+    from dtrain.chain.base import ChainError
 
     try:
         from dtrain.neurons.runtime import open_chain_for
@@ -168,29 +195,36 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
         chain = open_chain_for(cfg)
     except Exception as exc:  # unknown network, missing sandbox dir, unreachable chain
         doc["chain_error"] = str(exc)
-        return doc
+        return None
     try:
         doc["block"] = chain.block()
-        neurons = chain.neurons()
-        commitments = chain.commitments()
-        weights = chain.weights()
+        return chain.neurons(), chain.commitments(), chain.weights()
     except ChainError as exc:
         doc["chain_error"] = str(exc)
-        return doc
+        return None
     finally:
         chain.close()
 
-    validators = [n for n in neurons if n.validator_permit]
-    # The weight a miner holds: the stake-weighted mean of what the permitted validators set.
+
+def _consensus(validators: list, weights: dict) -> dict[int, float]:
+    """The weight a miner holds: the stake-weighted mean of what the permitted validators set."""
     stake_total = sum(v.stake for v in validators) or 1.0
     consensus: dict[int, float] = {}
     for v in validators:
         for uid, w in weights.get(v.uid, {}).items():
             consensus[uid] = consensus.get(uid, 0.0) + w * (v.stake or 0.0) / stake_total
-    miners = [n for n in neurons if not n.validator_permit]
+    return consensus
+
+
+def _probe_miners(miners: list, commitments: dict, probe_timeout: float) -> dict:
+    """uid -> the miner's ``/v1/status`` (None when it did not answer), probed in parallel."""
     apis = {n.uid: commitments[n.hotkey].api for n in miners if n.hotkey in commitments}
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(apis)))) as pool:
-        raw = dict(zip(apis, pool.map(lambda api: _miner_status(api, probe_timeout), apis.values())))
+        return dict(zip(apis, pool.map(lambda api: _miner_status(api, probe_timeout), apis.values())))
+
+
+def _miner_rows(miners: list, commitments: dict, statuses: dict, snapshots: list[dict],
+                consensus: dict[int, float], scores: dict) -> list[dict]:
     # Untrusted: a StatusResponse holds only fields that passed their rules, so a miner
     # answering {"epoch": "x", "loss": 1e999} shows as unknown, it does not crash the report.
     from dtrain.api.messages import StatusResponse
@@ -198,27 +232,31 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
 
     # A miner that is down still left its last snapshot on this machine (e.g. a finished sandbox).
     offline = {snap.get("hotkey"): snap for snap in snapshots if snap.get("role") == "miner"}
+    rows = []
     for n in miners:
         c = commitments.get(n.hotkey)
-        st = raw.get(n.uid)
+        st = statuses.get(n.uid)
         if st is None:
             try:
                 st = StatusResponse.parse(offline.get(n.hotkey) or {}, lenient=True)
             except PayloadError:
                 st = StatusResponse()
-        doc["miners"].append({
+        rows.append({
             "uid": n.uid, "hotkey": n.hotkey, "api": c.api if c else None, "peer_id": c.peer_id if c else None,
             "repo": c.repo if c else None, "stake": n.stake, "epoch": st.epoch, "loss": st.loss,
             "samples": st.samples, "samples_accumulated": st.samples_accumulated,
-            "alive": raw.get(n.uid) is not None,
+            "alive": statuses.get(n.uid) is not None,
             "weight": consensus.get(n.uid, 0.0),
             "score": scores.get(n.uid), "validator_permit": False,
         })
-    local_states = _local_validator_states(local_dirs)
-    doc["validators"] = []
+    return rows
+
+
+def _validator_rows(validators: list, weights: dict, local_states: dict[str, Any]) -> list[dict]:
+    """Each validator's own weights, and its rounds when this machine runs it. There is no master
+    validator: the chain's consensus (the miners' "weight" column) is their stake-weighted mean."""
+    rows = []
     for v in validators:
-        # There is no master validator: each sets its own weights, and the chain's consensus
-        # (the "weight" column of the miners) is their stake-weighted mean.
         set_weights = {str(uid): w for uid, w in sorted(weights.get(v.uid, {}).items())}
         row = {"uid": v.uid, "hotkey": v.hotkey, "stake": v.stake, "weights": set_weights,
                "rounds": None, "last_round": None}
@@ -226,14 +264,17 @@ def _collect(cfg: Config, probe_timeout: float) -> dict[str, Any]:
         if mine is not None:  # this machine runs that validator: what its state file says
             last = _dicts(mine.recent_rounds)[-1:] or [{}]
             row["rounds"], row["last_round"] = mine.round_counter, last[0].get("status")
-        doc["validators"].append(row)
+        rows.append(row)
+    return rows
+
+
+def _add_global_progress(doc: dict) -> None:
+    """The global epoch (the highest a miner reports) and the samples toward the global batch:
+    what the live miners at that epoch report, None (unknown) rather than a made-up 0 when none do."""
     epochs = [m["epoch"] for m in doc["miners"] if isinstance(m["epoch"], int)]
     if epochs:
         top = max(epochs)
         doc["global"]["epoch"] = top
-        # Samples toward the global batch: what the live miners at the top epoch report. None
-        # (unknown) when none of them reports it, rather than a made-up 0.
         known = [m["samples_accumulated"] for m in doc["miners"]
                  if m["alive"] and m["epoch"] == top and m["samples_accumulated"] is not None]
         doc["global"]["samples"] = sum(known) if known else None
-    return doc
