@@ -29,27 +29,40 @@ def _complete_adversary(incomplete: str) -> list[str]:
     return [a for a in ADVERSARIES if a.startswith(incomplete)]
 
 
+def _complete_mode(incomplete: str) -> list[str]:
+    return [m for m in MODES if m.startswith(incomplete)]
+
+
+MinersOpt = Annotated[int, typer.Option("--miners", min=1, max=32, help="Honest miners to start.")]
+RoundsOpt = Annotated[int, typer.Option("--rounds", min=1, help="All-reduce rounds to run before stopping.")]
+ValidatorsOpt = Annotated[int, typer.Option(
+    "--validators", min=1, max=8,
+    help="Independent validators to start; each runs every round and sets its own weights.")]
+AdversaryOpt = Annotated[Optional[list[str]], typer.Option(
+    "--adversary", help=f"Add a cheating miner (repeatable): {', '.join(ADVERSARIES[:-1])}; or "
+    "fused-adamw, an honest miner on another optimizer implementation.",
+    autocompletion=_complete_adversary)]
+DirOpt = Annotated[Optional[Path], typer.Option(
+    "--dir", file_okay=False, help="Keep the sandbox state here (default: a temporary directory).")]
+ModeOpt = Annotated[str, typer.Option(
+    "--mode", help="allreduce.mode: gradient (average every step) or diloco (H local steps, then one "
+    "averaged pseudo-gradient and an outer Nesterov step).",
+    autocompletion=_complete_mode)]
+BatchAuditOpt = Annotated[float, typer.Option(
+    "--batch-audit", min=0.0, max=1.0,
+    help="Chance per miner and round that a validator recomputes the miner's whole batch "
+    "(validator.batch_audit_probability; production's default is 0.25).")]
+
+
 @cli_errors
 def sandbox(
-    miners: Annotated[int, typer.Option("--miners", min=1, max=32, help="Honest miners to start.")] = 3,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="All-reduce rounds to run before stopping.")] = 2,
-    validators: Annotated[int, typer.Option(
-        "--validators", min=1, max=8,
-        help="Independent validators to start; each runs every round and sets its own weights.")] = 1,
-    adversary: Annotated[Optional[list[str]], typer.Option(
-        "--adversary", help=f"Add a cheating miner (repeatable): {', '.join(ADVERSARIES[:-1])}; or "
-        "fused-adamw, an honest miner on another optimizer implementation.",
-        autocompletion=_complete_adversary)] = None,
-    directory: Annotated[Optional[Path], typer.Option(
-        "--dir", file_okay=False, help="Keep the sandbox state here (default: a temporary directory).")] = None,
-    mode: Annotated[str, typer.Option(
-        "--mode", help="allreduce.mode: gradient (average every step) or diloco (H local steps, then one "
-        "averaged pseudo-gradient and an outer Nesterov step).",
-        autocompletion=lambda incomplete: [m for m in MODES if m.startswith(incomplete)])] = "gradient",
-    batch_audit: Annotated[float, typer.Option(
-        "--batch-audit", min=0.0, max=1.0,
-        help="Chance per miner and round that a validator recomputes the miner's whole batch "
-        "(validator.batch_audit_probability; production's default is 0.25).")] = 1.0,
+    miners: MinersOpt = 3,
+    rounds: RoundsOpt = 2,
+    validators: ValidatorsOpt = 1,
+    adversary: AdversaryOpt = None,
+    directory: DirOpt = None,
+    mode: ModeOpt = "gradient",
+    batch_audit: BatchAuditOpt = 1.0,
     json_out: JsonOpt = False,
     no_dashboard: NoDashboardOpt = False,
 ) -> None:
@@ -60,7 +73,7 @@ def sandbox(
         if kind not in ADVERSARIES:
             raise typer.BadParameter(f"expected one of {', '.join(ADVERSARIES)}, found {kind!r}",
                                      param_hint="--adversary")
-    from dtrain.sandbox.orchestrator import Sandbox, SandboxError, SandboxOptions
+    from dtrain.sandbox.orchestrator import Sandbox, SandboxOptions
 
     live = not json_out and not no_dashboard and sys.stdout.isatty()
     events: list[str] = []
@@ -74,6 +87,21 @@ def sandbox(
                                  adversaries=list(adversary or []), directory=directory, mode=mode,
                                  batch_audit=batch_audit),
                   on_event=note)
+    code, interrupted = _run(box, note, events, rounds, live=live, directory=directory)
+    if interrupted:
+        err("sandbox: interrupted; every neuron was stopped")
+        box.cleanup()
+        raise typer.Exit(130)
+    _report(box, directory, json_out)
+    if code != 0:
+        raise CommandError(f"a validator exited with code {code}; see its log under neurons/validator*/")
+
+
+def _run(box, note, events: list[str], rounds: int, *, live: bool, directory: Optional[Path]) -> tuple[int, bool]:
+    """Run until the validators finish or SIGINT/SIGTERM arrives, then stop every neuron.
+    Returns (the validators' exit code, whether a signal stopped the run)."""
+    from dtrain.sandbox.orchestrator import SandboxError
+
     interrupted = threading.Event()
 
     def on_signal(signum, frame):
@@ -96,10 +124,11 @@ def sandbox(
         box.stop_all()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if interrupted.is_set():
-        err("sandbox: interrupted; every neuron was stopped")
-        box.cleanup()
-        raise typer.Exit(130)
+    return code, interrupted.is_set()
+
+
+def _report(box, directory: Optional[Path], json_out: bool) -> None:
+    """Save and print the closing summary, and remove a temporary sandbox directory."""
     summary = box.summary()
     _save_summary(box.root, summary)
     for name, why in summary["stop_notes"].items():
@@ -118,8 +147,6 @@ def sandbox(
         if directory is not None:
             typer.echo(f"state kept in {directory}; inspect it with: "
                        f"dtrain status --network sandbox --sandbox-dir {directory}")
-    if code != 0:
-        raise CommandError(f"a validator exited with code {code}; see its log under neurons/validator*/")
 
 
 def _watch(box, events: list[str], rounds: int) -> int:
