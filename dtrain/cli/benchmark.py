@@ -6,9 +6,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from dtrain.cli.common import AnnounceMaddrOpt, CommandError, ConfigOpt, ExternalAddressOpt, HostMaddrOpt, JsonOpt, \
-    NetuidOpt, NetworkOpt, SandboxDirOpt, address_overrides, chain_overrides, cli_errors, load, print_json, \
-    require_swarm_library
+from dtrain.cli.common import (
+    AnnounceMaddrOpt, CommandError, ConfigOpt, ExternalAddressOpt, HostMaddrOpt, InitialPeerOpt, JsonOpt, NetuidOpt,
+    NetworkOpt, SandboxDirOpt, address_overrides, chain_overrides, cli_errors, load, print_json, require_swarm_library,
+)
+
+
+LocalPeersOpt = Annotated[Optional[int], typer.Option(
+    "--local-peers", min=2, max=64, help="Run N averaging peers on loopback instead of joining the swarm.")]
+SizeMbOpt = Annotated[float, typer.Option("--size-mb", min=0.001, max=4096, help="MiB of float32 to average.")]
+CompressionOpt = Annotated[Optional[str], typer.Option("--compression", help="none, fp16 or 8bit.")]
+LinkMbitOpt = Annotated[Optional[float], typer.Option(
+    "--link-mbit", min=0.001, help="Your link speed in Mbit/s, for the theoretical bound (real mode).")]
+CheckReachabilityOpt = Annotated[bool, typer.Option(
+    "--check-reachability",
+    help="Instead of measuring: test, as far as this machine can, whether validators and peers reach this "
+         "node's API and p2p ports (run it while the miner or validator runs).")]
 
 
 @cli_errors
@@ -17,21 +30,15 @@ def benchmark_bandwidth(
     network: NetworkOpt = None,
     netuid: NetuidOpt = None,
     sandbox_dir: SandboxDirOpt = None,
-    local_peers: Annotated[Optional[int], typer.Option(
-        "--local-peers", min=2, max=64, help="Run N averaging peers on loopback instead of joining the swarm.")] = None,
-    size_mb: Annotated[float, typer.Option("--size-mb", min=0.001, max=4096, help="MiB of float32 to average.")] = 32.0,
-    compression: Annotated[Optional[str], typer.Option("--compression", help="none, fp16 or 8bit.")] = None,
-    initial_peer: Annotated[Optional[list[str]], typer.Option(
-        "--initial-peer", help="Extra hivemind multiaddr to bootstrap from (repeatable).")] = None,
-    link_mbit: Annotated[Optional[float], typer.Option(
-        "--link-mbit", min=0.001, help="Your link speed in Mbit/s, for the theoretical bound (real mode).")] = None,
+    local_peers: LocalPeersOpt = None,
+    size_mb: SizeMbOpt = 32.0,
+    compression: CompressionOpt = None,
+    initial_peer: InitialPeerOpt = None,
+    link_mbit: LinkMbitOpt = None,
     external_address: ExternalAddressOpt = None,
     announce_maddr: AnnounceMaddrOpt = None,
     host_maddr: HostMaddrOpt = None,
-    check_reachability: Annotated[bool, typer.Option(
-        "--check-reachability",
-        help="Instead of measuring: test, as far as this machine can, whether validators and peers reach this "
-             "node's API and p2p ports (run it while the miner or validator runs).")] = False,
+    check_reachability: CheckReachabilityOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Throughput and latency to peers and a real all-reduce round, beside the link's bound."""
@@ -43,31 +50,7 @@ def benchmark_bandwidth(
         _check_reachability(cfg, json_out)
         return
     require_swarm_library()
-    from dtrain.swarm import bandwidth
-
-    progress_cm = None
-    if not json_out:
-        from dtrain.ui.progress import benchmark_progress
-
-        progress_cm = benchmark_progress()
-    try:
-        if progress_cm is not None:
-            progress_cm.__enter__()
-        callback = progress_cm if progress_cm is not None else None
-        if local_peers is not None:
-            result = bandwidth.run_local(local_peers, size_mb, compression=cfg.allreduce.compression,
-                                         progress=callback)
-        else:
-            result = bandwidth.run_real(_initial_peers(cfg), data_dir=_bench_dir(cfg), size_mb=size_mb,
-                                        host_maddrs=cfg.allreduce.host_maddrs,
-                                        announce_maddrs=cfg.allreduce.announce_maddrs, link_mbit=link_mbit,
-                                        progress=callback)
-    except ConnectionError as exc:
-        raise CommandError(f"no peer reachable: {exc}. Check allreduce.initial_peers or that miners have "
-                           "committed their addresses on chain.") from None
-    finally:
-        if progress_cm is not None:
-            progress_cm.__exit__(None, None, None)
+    result = _measure(cfg, local_peers=local_peers, size_mb=size_mb, link_mbit=link_mbit, json_out=json_out)
     if json_out:
         print_json(result)
     else:
@@ -78,6 +61,34 @@ def benchmark_bandwidth(
         Console().print(benchmark_table([result]))
     if result.get("ok") is False:
         raise CommandError("; ".join(result.get("errors") or ["the measurement failed"]))
+
+
+def _measure(cfg, *, local_peers: Optional[int], size_mb: float, link_mbit: Optional[float], json_out: bool) -> dict:
+    """One measurement: ``local_peers`` peers on loopback, or a real round with the swarm; a
+    progress bar on stderr unless ``--json``."""
+    from dtrain.swarm import bandwidth
+
+    progress_cm = None
+    if not json_out:
+        from dtrain.ui.progress import benchmark_progress
+
+        progress_cm = benchmark_progress()
+    try:
+        if progress_cm is not None:
+            progress_cm.__enter__()
+        if local_peers is not None:
+            return bandwidth.run_local(local_peers, size_mb, compression=cfg.allreduce.compression,
+                                       progress=progress_cm)
+        return bandwidth.run_real(_initial_peers(cfg), data_dir=_bench_dir(cfg), size_mb=size_mb,
+                                  host_maddrs=cfg.allreduce.host_maddrs,
+                                  announce_maddrs=cfg.allreduce.announce_maddrs, link_mbit=link_mbit,
+                                  progress=progress_cm)
+    except ConnectionError as exc:
+        raise CommandError(f"no peer reachable: {exc}. Check allreduce.initial_peers or that miners have "
+                           "committed their addresses on chain.") from None
+    finally:
+        if progress_cm is not None:
+            progress_cm.__exit__(None, None, None)
 
 
 def _check_reachability(cfg, json_out: bool) -> None:

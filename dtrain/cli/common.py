@@ -66,6 +66,8 @@ AnnounceMaddrOpt = Annotated[Optional[list[str]], typer.Option(
 HostMaddrOpt = Annotated[Optional[list[str]], typer.Option(
     "--host-maddr", metavar="MADDR",
     help="Multiaddr hivemind listens on, e.g. /ip4/0.0.0.0/tcp/31337 (repeatable; allreduce.host_maddrs).")]
+InitialPeerOpt = Annotated[Optional[list[str]], typer.Option(
+    "--initial-peer", help="Extra hivemind multiaddr to bootstrap from (repeatable).")]
 
 
 def chain_overrides(network: str | None, netuid: int | None, wallet: str | None, hotkey: str | None,

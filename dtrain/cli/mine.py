@@ -6,7 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from dtrain.cli.common import ExternalAddressOpt, PresetOpt, address_overrides, cli_errors, load, refuse_unreachable
+from dtrain.cli.common import (
+    ExternalAddressOpt, InitialPeerOpt, PresetOpt, address_overrides, cli_errors, load, refuse_unreachable,
+)
 from dtrain.cli.node_options import NodeOptions, node_command
 
 
@@ -18,8 +20,7 @@ def mine(
     port: Annotated[Optional[int], typer.Option("--port", help="Miner API port.")] = None,
     external_address: ExternalAddressOpt = None,
     repo: Annotated[Optional[str], typer.Option("--repo", help="Model store: hf://owner/repo or a directory.")] = None,
-    initial_peer: Annotated[Optional[list[str]], typer.Option(
-        "--initial-peer", help="Extra hivemind multiaddr to bootstrap from (repeatable).")] = None,
+    initial_peer: InitialPeerOpt = None,
     max_rounds: Annotated[Optional[int], typer.Option(
         "--max-rounds", min=1, help="Stop cleanly after this many all-reduce rounds (default: run until Ctrl-C).")] = None,
     adversary: Annotated[Optional[str], typer.Option(
