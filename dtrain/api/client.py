@@ -1,19 +1,9 @@
 """Validator-side client for the miner API: btauth/1-signed, synchronous, with timeouts.
 
-Miners are untrusted, so every call is bounded and fails only with ApiError:
-- one total deadline per call (connect, headers and body together), checked on every
-  socket read, so a miner trickling bytes cannot hold a validator past ``timeout``;
-- capped body sizes, read in chunks, so a miner cannot exhaust memory;
-- strict JSON (no NaN/Infinity, nesting errors caught);
-- typed answers: Train and AllReduce answers must parse as their message types
-  (``dtrain.api.messages``) or the call fails; ``/v1/status`` is read field by field,
-  a bad field reading as unknown.
-
-http.client (stdlib) keeps the client usable from any thread without an event loop,
-and sends the request target byte-for-byte as signed. It is used directly rather
-than through urllib so the socket can be wrapped with the deadline; no redirects are
-followed and no environment proxies are used (a miner is called at the address it
-committed, nowhere else).
+Miners are untrusted: every call runs under one total deadline with capped bodies and strict
+JSON, and fails only with ApiError (docs/protocol.md, "Calling a miner"). It uses http.client
+directly, so the socket carries the deadline, the request target goes out byte-for-byte as
+signed, and no redirects or environment proxies apply; it needs no event loop.
 """
 
 from __future__ import annotations

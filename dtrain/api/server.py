@@ -1,20 +1,10 @@
 """The miner's HTTP API: aiohttp, btauth/1 signed requests, Prometheus metrics.
 
-Request pipeline for a signed endpoint, in order, each step able to end it:
-
-1. body read with a hard size cap                      → 413
-2. btauth/1 verification (``bittensor.http_auth``)     → 401 (no handler call)
-3. ``is_allowed(caller_hotkey)``                       → 403 (no handler call)
-4. Content-Type / JSON parse                           → 415 / 400
-5. parse into the endpoint's message type, then this
-   miner's limits (``dtrain.api.messages``)             → 422
-6. handler in a thread pool, with the typed request    → 200, or the handler's
-   :class:`HandlerError` status, or 500 (logged; details not echoed)
-
-Signature checks come before parsing so unauthenticated input is never parsed
-beyond the size check. Handlers run in executors so a slow training call never
-blocks the event loop; status runs in its own small pool so dashboards stay
-responsive while training occupies the other.
+A signed request passes size cap (413), signature (401), permit (403), Content-Type and JSON
+(415/400), its message type and this miner's limits (422), then the handler: in that order,
+so unauthenticated input is never parsed beyond the size check (docs/protocol.md, section 3).
+Handlers run in thread pools so a slow training call never blocks the event loop; status has
+its own small pool so dashboards stay responsive while training occupies the other.
 """
 
 from __future__ import annotations
