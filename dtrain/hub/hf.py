@@ -1,14 +1,8 @@
 """Hugging Face Hub model store (targets ``hf://owner/repo``).
 
-Push = create the repo if missing -> upload the folder as one commit on ``main`` -> tag
-that commit. Each step is retried on its own (see ``dtrain.hub.retry``), so a failure
-while tagging does not re-upload gigabytes. Before uploading we look the tag up: a tag
-that already exists is left alone (tags are immutable), which makes a repeated push cheap.
-
-Credentials: ``token`` if given, else huggingface_hub's own resolution (``HF_TOKEN``
-env, then the token stored by ``hf auth login``). Tokens never go in dtrain's config.
-The endpoint is read from ``HF_ENDPOINT`` when the store is created (huggingface_hub
-itself reads it only once, at import time).
+Push = create the repo if missing, look the tag up (an existing tag is left alone: tags are
+immutable), upload the folder as one commit on ``main``, tag that commit; each step retried
+on its own. Credentials, endpoint and retries: docs/model-store.md, "Hugging Face Hub backend".
 """
 
 from __future__ import annotations

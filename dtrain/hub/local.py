@@ -6,8 +6,7 @@ Layout under the root::
     latest                                the last pushed tag, one line
     .staging/                             in-progress copies (safe to delete when idle)
 
-A push copies into ``.staging`` and renames into ``tags/`` only when every file is written
-and fsynced, so a reader never sees a half-written tag; ``latest`` is replaced atomically.
+A tag appears only complete and fsynced (docs/model-store.md, "Local directory backend").
 """
 
 from __future__ import annotations

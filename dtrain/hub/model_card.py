@@ -1,14 +1,9 @@
 """The model card (README.md) pushed with every checkpoint.
 
-Pure Python: it renders facts it is given and never looks anything up, so the same card
-comes out of the miner's background pusher and of ``dtrain push``. A fact that the caller
-does not know is ``None`` and is printed as "unknown", never guessed.
-
-The YAML front matter follows the Hugging Face model card metadata spec (``license``,
-``language``, ``library_name``, ``pipeline_tag``, ``tags``, ``datasets``); dtrain's own
-facts sit under a ``dtrain:`` key so that tools can read them without parsing Markdown.
-The YAML is written by hand (every string JSON-quoted, which is valid YAML) to keep this
-module free of dependencies; tests check that huggingface_hub parses it back.
+It renders only the facts it is given (an unknown one prints as "unknown", never guessed), so
+the miner's background pusher and ``dtrain push`` write the same card. Hugging Face metadata
+front matter plus a ``dtrain:`` block, written by hand as JSON-quoted YAML to stay
+dependency-free (docs/model-store.md, "The model card").
 """
 
 from __future__ import annotations
@@ -19,11 +14,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable
 
-# MIT, because it is dtrain's own licence (pyproject.toml) and that of OpenAI's GPT-2
-# reference code the architecture comes from. A swarm that starts from a preset trains its
-# weights from scratch, so no upstream model licence applies; one that starts from a Hub
-# model (model.hub_id) inherits that model's terms too, which the card's Limitations say.
-# (The data keeps its own terms; the card names the dataset.)
+# dtrain's own licence and the GPT-2 reference code's; a run from a Hub model also carries that
+# model's terms, which the card's Limitations say (docs/model-store.md, "The model card").
 LICENSE = "mit"
 TAGS = ("dtrain", "bittensor", "subnet-38", "distributed-training", "gpt2", "text-generation")
 UNKNOWN = "unknown"

@@ -1,17 +1,9 @@
 """Background checkpoint pushes for miners: training never waits for the network.
 
-Two daemon threads:
-
-- the *snapshotter* copies the checkpoint folder into a private staging directory as soon
-  as a push is enqueued (local disk speed, never blocked by an upload in progress), and
-  checks that no file changed while it copied (else it copies again), so what is
-  uploaded is never a torn mix of two checkpoints;
-- the *uploader* pushes the newest snapshot to the store. A failed push is recorded in
-  the status and retried later with a growing interval; if a newer snapshot arrives in
-  the meantime it replaces the failed one (latest wins: only the newest model matters).
-
-The checkpoint folder is only ever read. Staging holds at most three snapshots (being
-copied, waiting, uploading); each is deleted once uploaded or superseded.
+A snapshot thread copies each queued checkpoint into staging (again if a file changed while it
+copied), and an upload thread pushes the newest snapshot, retrying failures with a growing
+interval; a newer snapshot replaces an older one (latest wins). docs/model-store.md,
+"Background pushes (miners)".
 """
 
 from __future__ import annotations
