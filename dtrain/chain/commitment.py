@@ -1,9 +1,8 @@
 """The miner's on-chain commitment: a small JSON document parsed strictly as data.
 
-The original subnet ``eval()``-ed commitments; here a commitment is bytes that
-must decode to one JSON object with exactly the known fields, each checked for
-type, length and character set. Nothing in it is ever executed, imported or
-used as a format string. Readers log and skip anything malformed.
+A commitment is bytes that must decode to one JSON object with exactly the known
+fields, each checked for type, length and character set. Nothing in it is ever
+executed, imported or used as a format string. Readers log and skip anything malformed.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ from dtrain.cli.common import ConfigOpt, JsonOpt, NetuidOpt, NetworkOpt, Sandbox
 
 
 def poll_once(cfg: Any, last: dict, collect: Callable[[Any], dict]) -> dict:
-    """One --watch refresh. The poll thread must outlive any failure (a chain that
-    errors in a new way, a bug tripped by one odd miner): a dead thread would freeze
-    the dashboard on stale data with no sign of why. So on error the last good doc
-    stays on screen, marked with the error, and the next interval tries again."""
+    """One --watch refresh; never raises. On any error the last good doc stays on screen,
+    marked with the error, and the next interval tries again: a dead poll thread would
+    freeze the dashboard on stale data with no sign of why."""
     try:
         doc = collect(cfg)
     except Exception as exc:  # noqa: BLE001 - anything at all: see above
