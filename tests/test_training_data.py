@@ -129,7 +129,7 @@ def test_an_offline_hub_dataset_names_the_dataset_the_setting_and_the_local_way_
     # HF_HUB_OFFLINE makes the real datasets path fail at once instead of retrying
     code = (
         "from dtrain.training.data import DataSource\n"
-        "from dtrain.training.dataset_access import open_stream, resolve_data_files\n"
+        "from dtrain.training.sources import open_stream, resolve_data_files\n"
         "from dtrain.training.errors import DataSourceError\n"
         "src = DataSource(path='no-such-org/no-such-dataset', name='x')\n"
         f"try:\n    {opener}\n"

@@ -7,12 +7,8 @@ linear warmup then cosine decay. docs/training.md ("Trainer") lists the options.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from dtrain.training.trainer import TrainerConfig
 
 OPTIMIZERS = ("adamw", "lamb", "nesterov")
 
@@ -26,7 +22,8 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: f
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
+def build_optimizer(params, cfg) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` (a trainer.TrainerConfig) names, over ``params``."""
     # Biases, LayerNorm gains and other 1-D tensors are not decayed (standard GPT-2 recipe).
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

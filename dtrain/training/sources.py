@@ -1,4 +1,4 @@
-"""Opening a DataSource: listing its files in shard order and opening its ``datasets`` stream.
+"""Where training text comes from (``DataSource``): its files in shard order, and its ``datasets`` stream.
 
 Failures become DataSourceErrors that say what to fix and whether retrying can help
 (docs/training.md, "Data"). ``datasets`` is imported only when a source is opened.
@@ -7,12 +7,74 @@ Failures become DataSourceErrors that say what to fix and whether retrying can h
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Sequence
 
 from dtrain.training.errors import DataSourceError, describe_error, is_transient
 
-if TYPE_CHECKING:
-    from dtrain.training.data import DataSource
+FINEWEB = "HuggingFaceFW/fineweb"
+FINEWEB_CONFIG = "sample-350BT"
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where the text comes from. ``path`` is a Hub dataset id or a builder name."""
+
+    path: str = FINEWEB
+    name: str | None = FINEWEB_CONFIG
+    data_files: tuple[str, ...] | None = None
+    split: str = "train"
+    text_field: str = "text"
+    revision: str | None = None
+
+    @classmethod
+    def fineweb(cls, config: str = FINEWEB_CONFIG, revision: str | None = None) -> "DataSource":
+        return cls(path=FINEWEB, name=config, revision=revision)
+
+    @classmethod
+    def local_text(cls, files: Sequence[str]) -> "DataSource":
+        """Plain text files, one document per line. File order defines shard order."""
+        return cls(path="text", name=None, data_files=tuple(str(f) for f in files))
+
+    @classmethod
+    def local_parquet(cls, files: Sequence[str], text_field: str = "text") -> "DataSource":
+        """Parquet files (paths or fsspec URLs), one document per row. File order defines shard order."""
+        return cls(path="parquet", name=None, data_files=tuple(str(f) for f in files), text_field=text_field)
+
+    @property
+    def is_parquet_files(self) -> bool:
+        """Explicit data files that are all parquet (read by row group)."""
+        return bool(self.data_files) and (self.path == "parquet" or all(
+            f.lower().split("?")[0].endswith(".parquet") for f in self.data_files))
+
+    def identity(self) -> list:
+        """What tells local data apart cheaply: each file's name and size, in shard order.
+
+        Local files have no revision to pin; two peers with other files (or the same names
+        with other sizes) build other pages, and this makes their swarm fingerprints differ.
+        Remote files and globs are named only (a revision pins those).
+        """
+        out: list = []
+        for f in self.data_files or ():
+            try:
+                out.append([os.path.basename(f), os.path.getsize(f)])
+            except OSError:
+                out.append([f, None])
+        return out
+
+    @classmethod
+    def shipped(cls) -> "DataSource":
+        from dtrain.training.assets import shipped_corpus_files
+
+        return cls.local_text(shipped_corpus_files())
+
+    def describe(self) -> str:
+        if self.data_files is not None:
+            return f"{self.path} builder on {len(self.data_files)} file(s)"
+        return (f"{self.path}" + (f" ({self.name})" if self.name else "")
+                + (f" at revision {self.revision}" if self.revision else ""))
+
+
 
 
 def _check_local_files(source: DataSource) -> None:
