@@ -105,9 +105,9 @@ class RoundPlan:
         return range(*self.share_of(self.me))
 
     def piece(self, tensors, part: int) -> torch.Tensor:
-        """The view of global part ``part`` in ``tensors`` (the averaged tensors)."""
+        """The view of global part ``part`` in ``tensors`` (the averaged tensors; writes go through)."""
         param_index, start, length = self.layout.parts[part]
-        return tensors[param_index].reshape(-1)[start:start + length]
+        return tensors[param_index].view(-1)[start:start + length]
 
     def commitment_of(self, sender_index: int):
         """Sender ``sender_index``'s parsed Commitment (None: it committed none, or we check none)."""
