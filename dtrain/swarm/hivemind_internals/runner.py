@@ -242,8 +242,8 @@ class ButterflyRunner(AllReduceRunner):
                             yield averaging_pb2.AveragingData(
                                 code=averaging_pb2.PART_FOR_AVERAGING,
                                 tensor_part=runtime_pb2.Tensor(buffer=head, size=[len(head)], dtype="uint8"))
-                    tensor, note = await reply.part(served, averaged, part_compression)
-                    served += 1
+                    served += 1  # its part is reduced: a hang-up while the reply is serialised is no short stream
+                    tensor, note = await reply.part(served - 1, averaged, part_compression)
                     # hivemind reads neither group_id nor peer_id of a reply: the part's note rides in group_id
                     yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=tensor,
                                                       group_id=note)
