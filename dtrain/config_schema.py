@@ -105,7 +105,12 @@ class MinerConfig:
 
 @dataclass
 class ValidatorConfig:
-    miners_per_round: int = _f(8, "Miners queried per validation round.", min=1, max=4096)
+    miners_per_round: int = _f(8, "Miners this validator checks per round (Train query, state slice, work "
+                               "audit). Every miner averages every round, checked or not (docs/protocol.md).",
+                               min=1, max=4096)
+    unchecked_audits: int = _f(2, "Members of each round's group this validator did not check whose committed "
+                               "work it audits after the round, drawn then (docs/scoring.md, \"Sampled checks\").",
+                               min=0, max=4096)
     pages_per_query: int = _f(2, "Data pages a Train query asks a miner to train on.", min=1, max=1024)
     audit_pages: int = _f(1, "Committed pages of each miner's round contribution the validator recomputes "
                           "(chosen after the miner committed; docs/scoring.md).", min=0, max=1024)
@@ -144,10 +149,12 @@ class AllReduceConfig:
                                "\"What each mode costs\").", min=0.0, max=1.0, swarm=True)
     diloco_snapshot_every: int = _f(50, "DiLoCo: inner steps between the snapshots a miner keeps for validators' "
                                     "replays; bounds one audit's replay to this many steps.", min=1, swarm=True)
-    target_batch_size: int = _f(512, "Global batch the progress display counts toward (rounds are started by "
-                                "validators).", min=1)
+    target_batch_size: int = _f(512, "Global batch the progress display counts toward (rounds follow the "
+                                "validators' round notices).", min=1)
     min_group_size: int = _f(2, "Smallest group an all-reduce round accepts.", min=1, max=4096)
-    target_group_size: int = _f(32, "Largest group matchmaking assembles.", min=1, max=4096)
+    target_group_size: int = _f(256, "Largest group matchmaking assembles: at least the subnet's miners, so "
+                                "every miner averages in the one group its validators witness (docs/swarm.md).",
+                                min=1, max=4096)
     matchmaking_time: float = _f(15.0, "Seconds to gather a group.", min=0.1)
     request_timeout: float = _f(5.0, "Seconds to wait for a matchmaking reply.", min=0.1)
     allreduce_timeout: float = _f(120.0, "Seconds before a slow peer is banned from the round.", min=0.1)

@@ -166,7 +166,7 @@ def _add_validator_state(doc: dict, local_dirs: list[Path]) -> dict:
     if validator_state is None:
         return {}
     doc["rounds"] = [_round_view(r) for r in _dicts(validator_state.recent_rounds)[-10:]]
-    return dict(validator_state.ema.scores)
+    return validator_state.ema.paid()
 
 
 def _add_local_nodes(doc: dict, local_dirs: list[Path]) -> list[dict]:

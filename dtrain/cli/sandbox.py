@@ -17,7 +17,7 @@ from dtrain.cli.common import CommandError, JsonOpt, NoDashboardOpt, cli_errors,
 # (tests/test_cli.py checks the two agree). "fused-adamw" is an honest miner on another
 # optimizer implementation, the sandbox's stand-in for other hardware.
 ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner", "sign-flip", "zero",
-               "rescale", "noisy", "replay", "sandbagger", "wrong-pages", "nullspace-sender", "negating-reducer",
+               "selective", "rescale", "noisy", "replay", "sandbagger", "wrong-pages", "nullspace-sender", "negating-reducer",
                "scaling-reducer", "nullspace-reducer", "fused-adamw")
 
 
@@ -48,6 +48,10 @@ ModeOpt = Annotated[str, typer.Option(
     "--mode", help="allreduce.mode: gradient (average every step) or diloco (H local steps, then one "
     "averaged pseudo-gradient and an outer Nesterov step).",
     autocompletion=_complete_mode)]
+CheckOpt = Annotated[Optional[int], typer.Option(
+    "--check", min=1, max=64,
+    help="Miners each validator checks per round (validator.miners_per_round; default: all). Every miner "
+    "averages every round either way, so a few checked of many shows a subnet-sized swarm.")]
 BatchAuditOpt = Annotated[float, typer.Option(
     "--batch-audit", min=0.0, max=1.0,
     help="Chance per miner and round that a validator recomputes the miner's whole batch "
@@ -62,6 +66,7 @@ def sandbox(
     adversary: AdversaryOpt = None,
     directory: DirOpt = None,
     mode: ModeOpt = "gradient",
+    check: CheckOpt = None,
     batch_audit: BatchAuditOpt = 1.0,
     json_out: JsonOpt = False,
     no_dashboard: NoDashboardOpt = False,
@@ -85,7 +90,7 @@ def sandbox(
 
     box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, validators=validators,
                                  adversaries=list(adversary or []), directory=directory, mode=mode,
-                                 batch_audit=batch_audit),
+                                 batch_audit=batch_audit, check=check),
                   on_event=note)
     code, interrupted = _run(box, note, events, rounds, live=live, directory=directory)
     if interrupted:

@@ -130,6 +130,22 @@ class Zero(_AlteredContribution):
         return [t * 0 for t in mean]
 
 
+class Selective(_AlteredContribution):
+    """Honest in the rounds a validator checks it (it learns so from the Train query, before the
+    round), zeros in the others: the cheat sampled checks invite, which the audits of unchecked
+    work drawn after each round catch (docs/scoring.md, "Sampled checks")."""
+
+    kind = "selective"
+    _checked_epoch = -1
+
+    def _do_train(self, request):
+        self._checked_epoch = request.epoch
+        return super()._do_train(request)
+
+    def alter(self, mean):
+        return mean if self._checked_epoch == self.epoch else [t * 0 for t in mean]
+
+
 class Rescale(_AlteredContribution):
     kind = "rescale"
 
@@ -337,7 +353,7 @@ class FusedAdamW(AdversarialMiner):
 
 
 MINERS = {cls.kind: cls for cls in (Lazy, WrongModel, Copycat, Freeloader, InflatedWeight, Poisoner, SignFlip, Zero,
-                                    Rescale, Noisy, Replay, Sandbagger, WrongPages, NullspaceSender, NegatingReducer,
+                                    Selective, Rescale, Noisy, Replay, Sandbagger, WrongPages, NullspaceSender, NegatingReducer,
                                     ScalingReducer, NullspaceReducer, FusedAdamW)}
 KINDS = tuple(MINERS)
 

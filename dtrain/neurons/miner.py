@@ -22,6 +22,7 @@ from dtrain.neurons.base import CatchUpTarget, NeuronBase
 from dtrain.neurons.catch_up import CatchUps
 from dtrain.neurons.jobs import JobQueue
 from dtrain.neurons.miner_api import MinerApi
+from dtrain.neurons.miner_rounds import MinerRounds
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.training.errors import DataSourceError
 from dtrain.telemetry import Telemetry
@@ -46,6 +47,8 @@ class Miner(NeuronBase):
         # epoch gets the same answer (see _do_round).
         self._last_round: tuple[int, AllReduceResponse] | None = None
         self.catch_up = CatchUps(self)  # the catch-ups this miner owes (catch_up.py)
+        self.rounds = MinerRounds(self)  # the rounds it joins from the DHT's notices (miner_rounds.py)
+        self._refresh_now = threading.Event()  # report progress at once (after a round)
         self._checkpoint_due = False
         self._pending_commit = None
         self._post_round = False
@@ -97,6 +100,7 @@ class Miner(NeuronBase):
             self._commit()
             self._start_pusher()
             self._start_refresher()
+            self.rounds.start(self.stop)
             self.tel.update(state="training")
             self._loop()
         finally:
@@ -181,6 +185,7 @@ class Miner(NeuronBase):
                 if self.epoch % self.cfg.miner.checkpoint_every == 0:
                     self._checkpoint()
                 self._push()
+                self._refresh_now.set()  # validators expect the miners whose progress shows our epoch
             if self.catch_up.due():
                 self.catch_up.run_pending()
             if self._checkpoint_due:
@@ -188,6 +193,11 @@ class Miner(NeuronBase):
                 self._checkpoint()
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
+            request = self.rounds.due() if self._joins_rounds() else None
+            if request is not None:
+                # every miner averages every round, checked by a validator or not
+                self._do_round(request)
+                continue
             if self._wants_more_data():
                 self._train_own_page()
             else:
@@ -368,6 +378,7 @@ class Miner(NeuronBase):
                                 grad_norm=metrics.grad_norm, lr=metrics.lr)
             self._post_round = True
         self.rounds_done += 1
+        self.rounds.finished()
         self.tel.round_finished(record.to_dict())
         answer = AllReduceResponse(joined=not record.error, epoch=self.epoch, round=record.to_dict())
         if metrics is not None:
@@ -387,11 +398,13 @@ class Miner(NeuronBase):
         """Chain reads, peer dialing and progress exchange, off the training thread."""
 
         def loop() -> None:
-            while not self.stop.wait(PEER_REFRESH_S):
+            while not self.stop.is_set():
                 try:
                     self._refresh_peers()
                 except Exception as exc:  # a failed refresh is retried at the next tick
                     log.debug("peer refresh failed: %r", exc)
+                self._refresh_now.wait(PEER_REFRESH_S)
+                self._refresh_now.clear()
 
         threading.Thread(target=loop, name="dtrain-peer-refresh", daemon=True).start()
 
@@ -399,8 +412,8 @@ class Miner(NeuronBase):
         if self._pending_commit is not None:
             self._commit()
         self._connect_peers(self._commitments())
-        # Progress on the DHT is for display: any peer can write there, so catching up is
-        # triggered only by a validator's query for a later epoch or by a partial round.
+        # Progress on the DHT names whom validators expect in a round; it never triggers a
+        # catch-up (any peer can write there).
         snap = self.tel.snapshot()
         self._exchange_progress(snap.samples_accumulated, snap.tokens_per_s / max(self.cfg.model.seq_len, 1))
 
@@ -418,24 +431,10 @@ class Miner(NeuronBase):
             log.warning("publishing info not saved with the checkpoint: %r", exc)
 
     def _push(self) -> None:
-        if self.pusher is None:
-            return
-        from dtrain.hub.tags import format_tag
-        from dtrain.neurons.publish import card_facts, export_for_push
+        if self.pusher is not None:
+            from dtrain.neurons.publish import push_after_round
 
-        tag = format_tag(self.bench.run_id, self.epoch, self.trainer.counters.inner_step)
-        try:
-            facts = card_facts(self.cfg, target=self.cfg.hub.repo, tag=tag, run_id=self.bench.run_id,
-                               epoch=self.epoch, inner_step=self.trainer.counters.inner_step,
-                               tokens_seen=self.trainer.counters.tokens, model=self.bench.model,
-                               param_count=self.bench.param_count, tokenizer_name=self.bench.tokenizer_info.name,
-                               last_round=self._card_round)
-            with self.model_lock:
-                folder = export_for_push(self.dir / "export", tag, self.bench.model, self.bench.reader.tokenizer, facts)
-        except Exception as exc:  # noqa: BLE001 - a failed export skips one push, never the training
-            self.tel.event(f"export of {tag} for the model store failed: {exc!r}")
-            return
-        self.pusher.enqueue(folder, tag)
+            push_after_round(self)
 
     def _refresh_status(self) -> None:
         """Mirror the pusher's health into telemetry and rewrite status.json (for dtrain status)."""

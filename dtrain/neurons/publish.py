@@ -297,3 +297,24 @@ class _SizeInfo:
     def __init__(self, vocab_size: int, eos_token_id: int) -> None:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+
+
+def push_after_round(miner) -> None:
+    """Export ``miner``'s model (dtrain.neurons.miner.Miner) at its new epoch, with its model
+    card's facts, and queue it for the background pusher; a failed export skips one push."""
+    from dtrain.hub.tags import format_tag
+
+    bench, counters = miner.bench, miner.trainer.counters
+    tag = format_tag(bench.run_id, miner.epoch, counters.inner_step)
+    try:
+        facts = card_facts(miner.cfg, target=miner.cfg.hub.repo, tag=tag, run_id=bench.run_id, epoch=miner.epoch,
+                           inner_step=counters.inner_step, tokens_seen=counters.tokens, model=bench.model,
+                           param_count=bench.param_count, tokenizer_name=bench.tokenizer_info.name,
+                           last_round=miner._card_round)
+        with miner.model_lock:
+            folder = export_for_push(miner.dir / "export", tag, bench.model, bench.reader.tokenizer, facts)
+    except Exception as exc:  # noqa: BLE001 - a failed export skips one push, never the training
+        miner.tel.event(f"export of {tag} for the model store failed: {exc!r}")
+        return
+    miner.pusher.enqueue(folder, tag)
+

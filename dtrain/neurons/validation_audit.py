@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import random
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dtrain.neurons.validation_round import Probe
 from dtrain.validation.round_rules import Target
+
+AUDIT_ATTEMPTS = 2  # questions to a miner that does not answer the round audit
+AUDIT_RETRY_S = 2.0
 
 
 def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=None, timeout_s: float = 60.0):
@@ -50,6 +54,9 @@ def round_audit(client, swarm, probes: list[Probe], record, averaged, *, others=
     result = audit_round(evidence, averaged, reports, nonce, rtol, asker.wire)
     # a reducer our result check refused because a sender lied about its sketch is not at fault
     clear_framed_reducers(record, evidence, result)
+    for peer in result.problems:
+        if peer in asker.errors:
+            result.problems[peer] += f" ({asker.errors[peer]})"
     for peer, p in members.items():
         if peer in result.problems:
             p.round_audit = "round audit: " + result.problems[peer]
@@ -66,14 +73,27 @@ class _AuditAsker:
     def __init__(self, client, swarm, round_id: str, seed: bytes, where: dict, timeout_s: float):
         self.client, self.swarm, self.round_id = client, swarm, round_id
         self.seed, self.where, self.timeout_s = seed, where, timeout_s
+        self.errors: dict = {}  # peer id -> why its sketches could not be had
+        self.timed_out: set = set()  # peers whose question took half the timeout or more
 
     def sketches_of_all(self, nonce: str) -> dict:
         """Peer id -> its sketches [num_parts, k] under the audit's seed (None: it did not answer)."""
         reports: dict = {}
-        if self.where:
-            with ThreadPoolExecutor(max_workers=min(16, len(self.where))) as pool:
-                for peer, sketches in zip(self.where, pool.map(self._sketches_of, self.where.values())):
+        # A miner whose question failed at once is asked once more: its silence fails its work
+        # audit, so a refused connection or a busy chain read must not be taken for it (one that
+        # let the question time out is not asked again: that would slow the round down).
+        for attempt in range(AUDIT_ATTEMPTS):
+            ask = {peer: at for peer, at in self.where.items()
+                   if reports.get(peer) is None and peer not in self.timed_out}
+            if not ask:
+                break
+            if attempt:
+                time.sleep(AUDIT_RETRY_S)
+            with ThreadPoolExecutor(max_workers=min(16, len(ask))) as pool:
+                for peer, sketches in zip(ask, pool.map(self._sketches_of, ask.items())):
                     reports[peer] = sketches
+                    if sketches is not None:
+                        self.errors.pop(peer, None)
         swarm = self.swarm
         if swarm.sent_round == self.round_id:
             try:
@@ -82,7 +102,7 @@ class _AuditAsker:
                 reports[swarm.peer_id] = None
         return reports
 
-    def _sketches_of(self, at):
+    def _sketches_of(self, item):
         import base64
 
         import numpy as np
@@ -91,12 +111,16 @@ class _AuditAsker:
         from dtrain.api.messages import RoundAuditRequest
         from dtrain.sketch import WORK_SKETCH_K
 
-        api, hotkey = at
+        peer, (api, hotkey) = item
+        t0 = time.monotonic()
         try:
             answer = self.client.round_audit(api, hotkey, RoundAuditRequest(group=self.round_id, seed=self.seed.hex()),
                                              timeout=self.timeout_s)
             data = base64.b64decode(answer.sketches or "", validate=True)
-        except (ApiError, ValueError):
+        except (ApiError, ValueError) as exc:
+            self.errors[peer] = str(exc)[:200]
+            if time.monotonic() - t0 >= self.timeout_s / 2:
+                self.timed_out.add(peer)
             return None
         if len(data) != answer.parts * 4 * WORK_SKETCH_K:
             return np.zeros((answer.parts, 0), dtype="<f4")  # the wrong size: audit_round names it

@@ -265,12 +265,27 @@ def allreduce_request(probes: list[Probe], *, run_id: str, epoch: int, round_no:
                             refused=tuple(refused)[:64] or None)
 
 
-def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, zeros: list, fellows: set[str],
-              work, work_nonce: str, stop):
-    """Ask the miners to join, and join the round with weight 0 (``work``: our empty report).
+def announce(dht, run_id: str, request: AllReduceRequest) -> str:
+    """Store the round notice every miner joins from (dtrain.swarm.round_notices); why it failed,
+    or "" (the checked miners still come on their queries)."""
+    from dtrain.swarm.round_notices import RoundNotices
 
-    Returns the round's record and the averaged tensors, not applied yet. ``fellows`` are the
-    other validators met last round: named with the miners, so the group waits for them.
+    try:
+        RoundNotices(dht, f"dtrain-{run_id}").announce(request.epoch, request.round_id,
+                                                         expiration_s=request.deadline_s)
+    except Exception as exc:  # noqa: BLE001 - the DHT is best effort
+        return f"round notice not stored on the DHT: {exc!r}"
+    return ""
+
+
+def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, zeros: list, expected: list[str],
+              announce, work, work_nonce: str, stop):
+    """Give the checked miners our caps, announce the round (every other miner joins from the
+    notice: dtrain.neurons.round_joining) and join it with weight 0 (``work``: our empty report).
+
+    Returns the round's record and the averaged tensors, not applied yet. ``expected``: the peers
+    the group waits for (every live miner, the other validators met last round); ``announce()``
+    stores the round notice on the DHT.
     """
     from dtrain.api.client import ApiError
 
@@ -280,12 +295,13 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
         except ApiError as exc:
             p.allreduce_error = str(exc)
 
-    with ThreadPoolExecutor(max_workers=min(16, len(probes))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(probes)))) as pool:
         futures = [pool.submit(ask, p) for p in probes]
+        announce()
         tensors = [z.clone() for z in zeros]
-        expected = sorted({p.peer_id for p in probes} | fellows)
-        record = swarm.run_round(tensors, weight=0.0, cap=0.0, expected_peers=expected, timeout_s=request.deadline_s,
-                                 peer_caps=request.weight_caps, stop=stop, work=work, work_nonce=work_nonce)
+        record = swarm.run_round(tensors, weight=0.0, cap=0.0, expected_peers=sorted(expected),
+                                 timeout_s=request.deadline_s, peer_caps=request.weight_caps, stop=stop, work=work,
+                                 work_nonce=work_nonce)
         for f in futures:
             f.result()
     return record, tensors
@@ -293,9 +309,10 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
 
 # ------------------------------------------------------------------ after the all-reduce
 
-def update_probation(probes: list[Probe], probation: dict[str, int], round_no: int) -> dict[str, int]:
-    """The probation map after this round's audits; notes the miners still on probation."""
-    after, notes = round_rules.probation_update(probation, {p.hotkey: p.work for p in probes}, round_no)
+def update_probation(probes: list[Probe], probation: dict[str, int], round_no: int, *, rounds: int) -> dict[str, int]:
+    """The probation map after this round's audits (``rounds``: how long a caught miner stays on
+    it); notes the miners still on probation."""
+    after, notes = round_rules.probation_update(probation, {p.hotkey: p.work for p in probes}, round_no, rounds=rounds)
     for p in probes:
         if p.hotkey in notes:
             p.note = p.note or notes[p.hotkey]

@@ -21,17 +21,22 @@ from dtrain.chain.base import ChainClientBug
 from dtrain.config import Config
 from dtrain.neurons import validation_audit as audits
 from dtrain.neurons import validation_round as phases
+from dtrain.neurons import validator_report as report
 from dtrain.neurons.base import CatchUpTarget, NeuronBase
 from dtrain.neurons.runtime import NeuronError, node_dir
 from dtrain.neurons.validation_round import Probe
 from dtrain.swarm.averaging.group_rules import BenchList
 from dtrain.swarm.deadlines import allreduce_start, next_round_start, round_deadline_s
-from dtrain.telemetry import MinerRow, Telemetry
+from dtrain.telemetry import Telemetry
+from dtrain.validation.verification import probation_rounds
 
 # fellow_validators is also imported from here (tests/test_neuron_parts.py)
 from dtrain.validation.round_rules import (
     drifted_alone,
     fellow_validators,
+    later_audits,
+    live_miners,
+    miner_targets,
     majority_epoch_ahead,
     select_targets,
     skip_overtaken,
@@ -57,6 +62,11 @@ class Validator(NeuronBase):
         # peers we tell the miners failed our round audit, each for a number of rounds (they then
         # vote to bench it as a reducer; docs/protocol.md, "Round audit"); in memory only
         self._audit_refused = BenchList()
+        # Our replica holds the whole result of our last round (round_rules.drifted_alone).
+        self._in_step = False
+        self._uids_by_peer: dict[str, int] = {}  # of the committed miners, this round
+        self._last_checked: dict[str, int] = {}  # hotkey -> the round we last checked it in
+        self._averaged_last: set[str] = set()  # peers our last round averaged
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -68,6 +78,7 @@ class Validator(NeuronBase):
         self.swarm = None
         try:
             self._start_swarm(self._commitments())
+            self._swarm_started()
             self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
             self._serve_metrics()
             self.tel.update(state="validating")
@@ -114,6 +125,13 @@ class Validator(NeuronBase):
             return False
         self.client = MinerClient(self.wallet, timeout=max(60.0, round_deadline_s(cfg.allreduce) + 60))
         return True
+
+    def _swarm_started(self) -> None:
+        self._start_progress()  # whom to expect in a round: the miners' progress on the DHT
+
+    def _catch_up(self, *args, **kwargs) -> bool:
+        self._in_step = False  # a peer's state, not our own round's result
+        return super()._catch_up(*args, **kwargs)
 
     def _serve_metrics(self) -> None:
         port = self.cfg.api.metrics_port
@@ -171,11 +189,14 @@ class Validator(NeuronBase):
             return True
         commitments = self._commitments()
         targets = select_targets(neurons, commitments, self.hotkey, self.cfg.validator.miners_per_round,
-                                 random.Random(secrets.randbits(64)))
+                                 random.Random(secrets.randbits(64)), self._last_checked)
+        self._last_checked.update({t.hotkey: round_no for t in targets})
         if not targets:
             self.tel.event(f"round {round_no}: no miner has committed yet")
             return True
         probes = [Probe.of(t) for t in targets]
+        miners = miner_targets(neurons, commitments)
+        self._uids_by_peer = {peer: t.uid for peer, t in miners.items()}
         self._connect_peers(commitments)
 
         # Where the miners are: a validator left behind follows them before checking anyone.
@@ -195,14 +216,17 @@ class Validator(NeuronBase):
         # Audit the committed work on the pre-step replica, then take the round's step.
         self.tel.update(state=f"round {round_no}: auditing committed work")
         t0 = time.perf_counter()
-        self._audit(probes, record, averaged, neurons, commitments)
+        later = self._audit(probes, record, averaged, neurons, commitments)
         audit_s = time.perf_counter() - t0
-        self.state.probation = phases.update_probation(probes, self.state.probation, round_no)
+        self.state.probation = phases.update_probation(
+            probes + later, self.state.probation, round_no,
+            rounds=probation_rounds(len(miners), len(probes)))
         self._take_step(record, averaged)
         loss_after = self._eval_loss() if record.ok else loss_before
 
         # Score, set weights, persist.
-        scores = self._score(probes, record, neurons, round_no)
+        scores = self._score(probes, record, neurons, round_no, caught=[p.uid for p in probes + later
+                                                                         if p.work is not None and not p.work.passed])
         weights = self._set_weights(neurons)
         summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
         summary["audit_s"] = round(audit_s, 3)
@@ -232,21 +256,31 @@ class Validator(NeuronBase):
         self.tel.event(f"round {round_no}: {summary['status']}, {len(summary['participants'])} participants, "
                        f"eval loss {loss_before:.3f} -> {loss_after:.3f}")
 
-    def _audit(self, probes: list[Probe], record, averaged, neurons, commitments: dict) -> None:
+    def _audit(self, probes: list[Probe], record, averaged, neurons, commitments: dict) -> list[Probe]:
         """The round audit (the peers it proves at fault are named to the miners next round), then
-        the work audit (dtrain.neurons.validation_audit)."""
+        the work audit (dtrain.neurons.validation_audit) of the checked miners and of a few
+        unchecked members drawn now (returned: they are not scored, only penalised if caught)."""
         from dtrain.swarm.averaging.audit import PROVEN_BENCH_ROUNDS
         from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS
 
-        # The group's other miners (queried by other validators) are asked too, so a part that
-        # one of them is in can still be checked; validators are not asked (they keep nothing).
-        miners = {n.hotkey for n in neurons if not n.validator_permit}
-        others = {c.peer_id: (c.api, hotkey) for hotkey, c in commitments.items() if hotkey in miners}
-        found = audits.round_audit(self.client, self.swarm, probes, record, averaged, others=others)
+        # The group's other miners (checked by no one or by other validators) are asked too, so
+        # a part that one of them is in can still be checked; validators are not asked (they keep nothing).
+        miners = miner_targets(neurons, commitments)
+        others = {peer: (t.api, t.hotkey) for peer, t in miners.items()}
+        later = [Probe.of(miners[peer]) for peer in later_audits(
+            [peer for peer in record.work_reports if peer in miners], {p.peer_id for p in probes},
+            self.cfg.validator.unchecked_audits, random.Random(secrets.randbits(64)))]
+        found = audits.round_audit(self.client, self.swarm, probes + later, record, averaged, others=others)
         self._audit_refused.tick()
         for peer in (found.problems if found is not None else ()):
             self._audit_refused.name([peer], PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS)
-        audits.audit(self.client, self.bench.mode, probes, record, self.epoch)
+            self.tel.event(f"round audit: peer {peer[:16]}… {found.problems[peer]}; named to the miners as refused")
+        audits.audit(self.client, self.bench.mode, probes + later, record, self.epoch)
+        for p in later:
+            if p.work is not None and not p.work.passed:
+                self.tel.event(f"uid {p.uid}: its unchecked contribution failed a later audit ({p.note}); "
+                               "its score is forfeit and it is on probation")
+        return later
 
     def _follow_the_swarm(self, probes: list[Probe]) -> None:
         """If most miners asked are at a later epoch than ours, adopt a peer's state at it
@@ -261,7 +295,8 @@ class Validator(NeuronBase):
         """Same epoch, but most miners' parameters are beyond the replica tolerance from ours:
         this replica is the one that drifted (round_rules.drifted_alone). Take a peer's state
         at our epoch."""
-        drift = drifted_alone([p.replica_distance for p in probes], [p.moved_on for p in probes])
+        drift = drifted_alone([p.replica_distance for p in probes], [p.moved_on for p in probes],
+                              in_step=self._in_step)
         if drift is not None:
             self.tel.event(f"{drift.far} of {drift.measured} miners are beyond the replica tolerance from this "
                            "validator: resynchronising from peers")
@@ -284,13 +319,31 @@ class Validator(NeuronBase):
                                            probation=self.state.probation,
                                            refused=tuple(self._audit_refused.named()))
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "miners": len(probes)})
+        # Every miner at our epoch joins, checked or not: the group waits for all that its progress
+        # on the DHT shows there, and for the miners our last round averaged (they stepped with us).
+        miner_ids = {c.peer_id for c in commitments.values()}
+        expected = ({p.peer_id for p in probes} | self._fellow_validators | self._live_miners(miner_ids)
+                    | (self._averaged_last & miner_ids))
         record, averaged = phases.allreduce(self.client, self.swarm, probes, request, zeros=self.zeros,
-                                            fellows=self._fellow_validators,
+                                            expected=sorted(expected),
+                                            announce=lambda: self._announce(request),
                                             work=self.bench.mode.empty_report(self.epoch),
                                             work_nonce=work_nonce(self.bench.run_id, self.epoch), stop=self.stop)
-        self._fellow_validators = fellow_validators(record, {c.peer_id for c in commitments.values()},
-                                                    self.swarm.peer_id)
+        self._fellow_validators = fellow_validators(record, miner_ids, self.swarm.peer_id)
+        self._averaged_last = {p.peer_id for p in record.peers if p.outcome.value == "SUCCESS"} if record.ok else set()
         return record, averaged
+
+    def _live_miners(self, miner_peer_ids: set[str]) -> set[str]:
+        try:
+            return live_miners(self.progress.peers(), miner_peer_ids, self.epoch)
+        except Exception as exc:  # noqa: BLE001 - the DHT is best effort: expect the checked miners only
+            self.tel.event(f"miners' progress not read from the DHT ({exc!r}); expecting the checked miners only")
+            return set()
+
+    def _announce(self, request) -> None:
+        problem = phases.announce(self.node.dht, self.cfg.model.run_id, request)
+        if problem:
+            self.tel.event(problem)
 
     def _overtaken(self, round_no: int, probes: list[Probe], record) -> bool:
         """Another validator's round ran without us (we were late to its group, or landed in a
@@ -314,17 +367,20 @@ class Validator(NeuronBase):
     def _take_step(self, record, averaged) -> None:
         # Joining with weight 0, this replica receives the same average and takes the same step.
         if self._apply_round(record, averaged) is not None:
+            self._in_step = record.in_step
             self._save_checkpoint(uid=0)
             if not record.in_step:
                 # Part of our replica kept local (zero) values: take a peer's state instead.
                 self._catch_up()
         self.tel.round_finished(record.to_dict())
 
-    def _score(self, probes: list[Probe], record, neurons, round_no: int) -> dict:
-        """Each miner's verdict and score; the EMA and the dashboard's last scores."""
+    def _score(self, probes: list[Probe], record, neurons, round_no: int, caught: list[int]) -> dict:
+        """Each checked miner's verdict and score; the EMA (``caught``: uids whose committed work
+        failed an audit forfeit it) and the dashboard's last scores."""
         from dtrain.validation.scoring import (
             ScoringConfig,
             combined_scores,
+            forfeit,
             score_round,
             update_ema,
         )
@@ -335,65 +391,21 @@ class Validator(NeuronBase):
                                                         moved_on_streaks=self._moved_on_in_a_row)
         scores = score_round(inputs, scfg)
         hotkeys = {n.uid: n.hotkey for n in neurons}
-        self.state.ema = update_ema(self.state.ema, combined_scores(scores), hotkeys, alpha=scfg.ema_alpha)
+        self.state.ema = update_ema(forfeit(self.state.ema, caught), combined_scores(scores), hotkeys,
+                                    alpha=scfg.ema_alpha)
         for probe in probes:
             s = scores[probe.uid]
             self.state.last_scores[probe.uid] = {**s.as_dict(), "hotkey": probe.hotkey, "outcome": probe.outcome,
-                                                 "note": probe.note, "ema": self.state.ema.scores.get(probe.uid, 0.0)}
+                                                 "note": probe.note, "ema": self.state.ema.paid().get(probe.uid, 0.0)}
         return scores
 
     def _set_weights(self, neurons) -> dict[int, float]:
-        """Compute weights from the EMA and, when the rate limit allows, set them on chain."""
-        from dtrain.chain.base import ChainError
-        from dtrain.validation.weights import (
-            WeightSetPolicy,
-            compute_weights,
-            record_failure,
-            record_success,
-            should_set,
-        )
-
-        miner_uids = [n.uid for n in neurons if not n.validator_permit]
-        weights = compute_weights(self.state.ema.scores, miner_uids)
-        if not weights:
-            return {}
-        try:
-            status = self.chain.weights_status(self.uid)
-            block = status.block
-            policy = WeightSetPolicy(rate_limit_blocks=status.rate_limit if status.rate_limit is not None else 100)
-        except ChainError:
-            return weights  # the chain's health shows the outage; weights are set next round
-        if should_set(policy, self.state.weight_set, block):
-            uids = sorted(weights)
-            try:
-                self.chain.set_weights(uids, [weights[u] for u in uids])
-                self.state.weight_set = record_success(self.state.weight_set, block)
-                self.tel.event(f"weights set at block {block} for {len(uids)} miners")
-            except ChainError as exc:
-                self.state.weight_set = record_failure(policy, self.state.weight_set, block, str(exc))
-                self.tel.event(f"setting weights failed ({exc}); retrying later")
-        return weights
+        return report.set_weights(self.chain, self.uid, self.state, neurons, self.tel)
 
     def _summary(self, round_no, probes, record, scores, weights, loss_before, loss_after, verify_s) -> dict:
-        rows = []
-        for probe in probes:
-            s = scores[probe.uid]
-            rows.append({"uid": probe.uid, "hotkey": probe.hotkey, "outcome": probe.outcome,
-                         "score": s.combined, "ema": self.state.ema.scores.get(probe.uid, 0.0),
-                         "weight": weights.get(probe.uid, 0.0), "gated": list(s.gated), "note": probe.note,
-                         "train_s": round(probe.train_seconds, 3)})
         self._update_miner_table(weights)
-        participants = [r["uid"] for r in rows if r["outcome"] == "SUCCESS"]
-        return {
-            "round": round_no, "epoch": self.epoch, "round_id": record.round_id,
-            "status": "success" if record.ok else "failed", "participants": participants,
-            "duration_s": round(record.duration_s, 3), "allreduce_s": round(record.allreduce_s, 3),
-            "bytes_sent": record.bytes_sent, "bytes_received": record.bytes_received,
-            "fraction_averaged": record.fraction_averaged, "error": record.error,
-            "loss_before": loss_before, "loss_after": loss_after, "verify_s": round(verify_s, 3),
-            "train_query_s": round(sum(p.train_seconds for p in probes), 3), "miners": rows,
-            "time": time.time(),
-        }
+        return report.round_summary(round_no, self.epoch, probes, record, scores, weights, self.state.ema,
+                                    loss=(loss_before, loss_after), verify_s=verify_s, uids=self._uids_by_peer)
 
     # ------------------------------------------------------------------ helpers
 
@@ -427,19 +439,10 @@ class Validator(NeuronBase):
         return loss
 
     def _update_miner_table(self, weights: dict[int, float]) -> None:
-        rows = []
-        for uid, s in sorted(self.state.last_scores.items()):
-            rows.append(MinerRow(uid=uid, hotkey=str(s.get("hotkey", "")), gradient=s.get("gradient"),
-                                 steps=s.get("steps"), bandwidth=s.get("bandwidth"),
-                                 allreduce=s.get("participation"), score=s.get("combined"),
-                                 ema=self.state.ema.scores.get(uid, 0.0), weight=weights.get(uid, 0.0),
-                                 last_outcome=str(s.get("outcome", "")), note=", ".join(s.get("gated") or [])
-                                 or str(s.get("note", ""))))
-        self.tel.set_miners(rows)
+        self.tel.set_miners(report.miner_rows(self.state, weights))
 
     def _restore_dashboard(self) -> None:
         from dtrain.validation.weights import compute_weights
 
         # After a restart the miner table shows the persisted scores straight away.
-        self._update_miner_table(compute_weights(self.state.ema.scores))
-
+        self._update_miner_table(compute_weights(self.state.ema.paid()))

@@ -42,6 +42,7 @@ class SandboxOptions:
     # validator.batch_audit_probability: the sandbox recomputes every miner's whole batch every
     # round (its model is tiny, and four rounds leave no room for odds); production's is 0.25
     batch_audit: float = 1.0
+    check: int | None = None  # validator.miners_per_round (None: every miner)
     directory: Path | None = None
     round_timeout_s: float = 240.0
 
@@ -121,13 +122,14 @@ class Sandbox:
             ndir = layout.neuron_dir(self.root, member.name)
             ndir.mkdir(parents=True, exist_ok=True)
             save_config(neuron_config(self.root, member, total_miners, self.options.validators, self.options.mode,
-                                      self.options.batch_audit),
+                                      self.options.batch_audit, check=self.options.check),
                         ndir / "config.toml", overwrite=True)
         layout.store_dir(self.root).mkdir(exist_ok=True)
         layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,
                                                    "netuid": NETUID, "run_id": RUN_ID,
                                                    "validators": self.options.validators,
                                                    "mode": self.options.mode,
+                                                   "check": self.options.check or total_miners,
                                                    "diloco_inner_steps": SANDBOX_DILOCO_H})
         self.members = members
         count = self.options.validators

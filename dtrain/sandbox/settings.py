@@ -25,7 +25,7 @@ SANDBOX_DILOCO_WARMUP = 2  # the ramp of the production default (a tenth of H), 
 
 
 def neuron_config(root: Path, member: Member, total_miners: int, validators: int = 1,
-                  mode: str = "gradient", batch_audit: float = 1.0) -> Config:
+                  mode: str = "gradient", batch_audit: float = 1.0, check: int | None = None) -> Config:
     """The config every sandbox neuron runs with: tiny model, shipped text, loopback only."""
     cfg = Config()
     cfg.wallet.name, cfg.wallet.hotkey, cfg.wallet.path = member.name, "default", str(layout.wallets_dir(root))
@@ -40,7 +40,11 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     m.micro_batch_size, m.local_batch_size = 4, 64
     m.lr, m.warmup_steps, m.total_steps, m.device, m.precision = 2e-3, 0, 1000, "cpu", "fp32"
     v = cfg.validator
-    v.miners_per_round, v.pages_per_query, v.recompute_fraction = max(1, total_miners), 1, 0.5
+    # Each validator checks ``check`` miners a round (all by default) and audits as many
+    # unchecked ones' committed work after it; every miner averages every round either way.
+    v.miners_per_round = max(1, min(check or total_miners, total_miners))
+    v.unchecked_audits = max(0, min(v.miners_per_round, total_miners - v.miners_per_round))
+    v.pages_per_query, v.recompute_fraction = 1, 0.5
     v.round_interval_s, v.ema_alpha, v.slice_bytes = 2.0, 0.5, 1 << 20
     v.batch_audit_probability = batch_audit
     if validators > 1:

@@ -73,6 +73,7 @@ def _round_row(r: dict) -> dict:
     """One round of a validator's ``recent_rounds``, as the summary shows it."""
     sent, received = r.get("bytes_sent"), r.get("bytes_received")
     return {"round": r.get("round"), "status": r.get("status"), "participants": r.get("participants", []),
+            "averaged": r.get("averaged"),
             "duration_s": r.get("duration_s"), "allreduce_s": r.get("allreduce_s"),
             "bytes": sent + received if sent is not None and received is not None else None,
             "epoch": r.get("epoch"),
@@ -90,6 +91,9 @@ def _miner_rows(members: list[Member], state: dict,
     between validators' weights)."""
     last_scores = {int(k): v for k, v in state.get("last_scores", {}).items()}
     ema = {int(k): float(v) for k, v in state.get("ema", {}).items()}
+    # what weights are computed from: the EMA divided by its mass (dtrain.validation.scoring.EmaState.paid)
+    mass = {int(k): float(v) for k, v in (state.get("ema_mass") or {}).items()}
+    ema = {uid: v / mass.get(uid, 1.0) if mass.get(uid, 1.0) > 0 else 0.0 for uid, v in ema.items()}
     miners = []
     spread = 0.0
     for member in members:

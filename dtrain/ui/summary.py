@@ -71,19 +71,17 @@ def _outcomes(outcomes: Mapping[Any, Any]) -> Text:
 
 def _rounds_table(rounds: list[Mapping[str, Any]]) -> RenderableType:
     t = compact_table("Rounds")
-    for name, just in (("round", "right"), ("status", "left"), ("peers", "right"), ("duration", "right"),
-                       ("bytes", "right"), ("outcomes (uid:outcome)", "left")):
+    for name, just in (("round", "right"), ("status", "left"), ("averaged", "right"), ("checked", "right"),
+                       ("duration", "right"), ("bytes", "right"), ("outcomes of the checked (uid:outcome)", "left")):
         t.add_column(name, justify=just, no_wrap=not name.startswith("outcomes"))  # type: ignore[arg-type]
     for r in rounds:
         status = str(r.get("status", ""))
-        participants = r.get("participants")
-        if isinstance(participants, (list, tuple)):
-            participants = len(participants)
+        averaged, outcomes = r.get("averaged"), r.get("outcomes") or {}
         t.add_row(str(r.get("round", "—")), Text(status, style="green" if status == "success" else "bold red"),
-                  str(participants if participants is not None else "—"), duration(r.get("duration_s")),
-                  human_bytes(r.get("bytes")), _outcomes(r.get("outcomes") or {}))
+                  str(len(averaged)) if isinstance(averaged, (list, tuple)) else "—", str(len(outcomes)),
+                  duration(r.get("duration_s")), human_bytes(r.get("bytes")), _outcomes(outcomes))
     if not rounds:
-        t.add_row("", Text("no rounds ran", style="dim"), "", "", "", "")
+        t.add_row("", Text("no rounds ran", style="dim"), "", "", "", "", "")
     return t
 
 

@@ -20,6 +20,7 @@ from dtrain.training.replica import within_tolerance
 from dtrain.validation.scoring import MicroBatchCheck, MinerRoundInput
 from dtrain.validation.verification import (
     MAX_OVERTAKEN_IN_A_ROW,
+    PROBATION_ROUNDS,
     WorkVerdict,
     excuse_moved_on,
     on_probation,
@@ -48,17 +49,32 @@ class Target:
 
 
 def select_targets(neurons: Sequence, commitments: Mapping, own_hotkey: str, count: int,
-                   rng: random.Random) -> list[Target]:
-    """Up to ``count`` miners drawn with ``rng``: registered neurons without a validator permit
-    that committed an API address and peer id (``neurons``: uid, hotkey, validator_permit;
-    ``commitments``: hotkey -> api, peer_id). [] when no miner has committed."""
+                   rng: random.Random, last_checked: Mapping[str, int] | None = None) -> list[Target]:
+    """Up to ``count`` miners to check: registered neurons without a validator permit that
+    committed an API address and peer id (``neurons``: uid, hotkey, validator_permit;
+    ``commitments``: hotkey -> api, peer_id). [] when no miner has committed.
+
+    The miners this validator checked longest ago come first (``last_checked``: hotkey -> round
+    it was last checked), ties drawn with ``rng``: every miner is checked once every
+    miners/count rounds, so none waits long for its first verified score. Knowing it is next
+    gains a miner nothing: the Train query tells it anyway, before the round, and the audits
+    of unchecked work are drawn after the round (``later_audits``)."""
     miners = [n for n in neurons if n.hotkey in commitments and not n.validator_permit and n.hotkey != own_hotkey]
     if not miners:
         return []
     peer_ids = Counter(c.peer_id for c in commitments.values())
-    chosen = rng.sample(miners, min(len(miners), count))
+    last = last_checked or {}
+    order = sorted(miners, key=lambda n: (last.get(n.hotkey, -1), rng.random()))
+    chosen = order[:min(len(miners), count)]
     return [Target(uid=n.uid, hotkey=n.hotkey, api=commitments[n.hotkey].api, peer_id=commitments[n.hotkey].peer_id,
                    shared_peer_id=peer_ids[commitments[n.hotkey].peer_id] > 1) for n in chosen]
+
+
+def miner_targets(neurons: Sequence, commitments: Mapping) -> dict[str, Target]:
+    """Peer id -> Target of every registered miner (no validator permit) that committed."""
+    uids = {n.hotkey: n.uid for n in neurons if not n.validator_permit}
+    return {c.peer_id: Target(uid=uids[hotkey], hotkey=hotkey, api=c.api, peer_id=c.peer_id)
+            for hotkey, c in commitments.items() if hotkey in uids}
 
 
 def fellow_validators(record, miner_peer_ids: set[str], own_peer_id: str) -> set[str]:
@@ -96,16 +112,37 @@ class Drift(NamedTuple):
     measured: int  # miners whose distance counts
 
 
-def drifted_alone(replica_distances: Sequence[float | None], moved_on: Sequence[bool]) -> Drift | None:
+def drifted_alone(replica_distances: Sequence[float | None], moved_on: Sequence[bool], *,
+                  in_step: bool = False) -> Drift | None:
     """Most miners (at least two measured) are beyond the replica tolerance from us: at the same
     epoch, that makes this replica the one that drifted, to be resynchronised from a peer.
 
     One entry per miner. A miner that stepped while we read its slice (``moved_on``) did not
-    drift, and neither did we: it does not count. None when we did not drift alone.
+    drift, and neither did we: it does not count. ``in_step``: our replica holds the result of
+    our last round, applied whole; every SUCCESS member of that round holds the same bits, so
+    the few checked miners that differ are the stale ones, never us. None when we did not
+    drift alone.
     """
+    if in_step:
+        return None
     measured = [d for d, moved in zip(replica_distances, moved_on, strict=True) if d is not None and not moved]
     far = sum(1 for d in measured if not within_tolerance(d))
     return Drift(far, len(measured)) if len(measured) >= 2 and far * 2 > len(measured) else None
+
+
+def live_miners(progress: Sequence, miner_peer_ids: set[str], epoch: int) -> set[str]:
+    """The committed miners whose progress on the DHT shows ``epoch``: those that join the round
+    now, checked or not. A validator names them all, so the group waits for each of them (a
+    dead one costs one matchmaking window until its record expires; docs/protocol.md)."""
+    return {p.peer_id for p in progress if p.peer_id in miner_peer_ids and p.epoch == epoch}
+
+
+def later_audits(members: Sequence[str], checked: set[str], count: int, rng: random.Random) -> list[str]:
+    """Up to ``count`` members of the round's group that this validator did not check, drawn
+    after the round with ``rng``: their committed work is audited all the same, so a miner
+    cannot cheat whenever it was not asked (docs/scoring.md, "Sampled checks")."""
+    unchecked = sorted(set(members) - checked)
+    return rng.sample(unchecked, min(count, len(unchecked)))
 
 
 # ------------------------------------------------------------------ what a miner's answers mean
@@ -162,12 +199,12 @@ def skip_overtaken(*, round_averaged: bool, our_epoch: int, answer_epochs: Seque
 
 
 def probation_update(probation: Mapping[str, int], work: Mapping[str, WorkVerdict | None],
-                     round_no: int) -> tuple[dict[str, int], dict[str, str]]:
+                     round_no: int, rounds: int = PROBATION_ROUNDS) -> tuple[dict[str, int], dict[str, str]]:
     """The probation map after this round's audits (``work``: hotkey -> its verdict, None when
     nothing was audited), and a note for each audited hotkey still on probation from an
     earlier round (one caught now already has the audit's problem as its note)."""
     failed = {hotkey: verdict is not None and not verdict.passed for hotkey, verdict in work.items()}
-    after = update_probation(dict(probation), failed, round_no)
+    after = update_probation(dict(probation), failed, round_no, rounds)
     notes = {hotkey: f"on probation until round {after[hotkey]} (its committed work failed an audit)"
              for hotkey, caught in failed.items() if hotkey in after and not caught}
     return after, notes

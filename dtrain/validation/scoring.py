@@ -337,10 +337,25 @@ def combine(
 
 @dataclass
 class EmaState:
-    """Smoothed score and owning hotkey per uid."""
+    """Smoothed score and owning hotkey per uid.
+
+    ``mass`` is the EMA's weight on the scores it has seen, 1 - (1 - alpha)^n after n scored
+    rounds; ``paid()`` divides it out, so a miner's pay is the weighted mean of its verified
+    scores however often it was checked (docs/scoring.md, "Sampled checks"). A uid without a
+    mass (a state written before it was kept) counts as fully warmed up.
+    """
 
     scores: dict[int, float] = field(default_factory=dict)
     hotkeys: dict[int, str] = field(default_factory=dict)
+    mass: dict[int, float] = field(default_factory=dict)
+
+    def paid(self) -> dict[int, float]:
+        """uid -> the bias-corrected EMA, what weights are computed from."""
+        out = {}
+        for uid, score in self.scores.items():
+            m = self.mass.get(uid, 1.0)
+            out[uid] = min(1.0, score / m) if m > 0 else 0.0
+        return out
 
 
 def update_ema(
@@ -358,23 +373,36 @@ def update_ema(
     - A new uid starts from 0, so re-registering gives no head start.
     - A registered uid without a score this round keeps its value (it was not queried;
       an unreachable miner is scored NOT_ALIVE -> 0 by the caller instead).
+    - ``mass`` grows with each score the same way, for ``EmaState.paid``.
     """
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
     new_scores: dict[int, float] = {}
     new_hotkeys: dict[int, str] = {}
+    new_mass: dict[int, float] = {}
     for uid, hk in hotkeys.items():
         prev = state.scores.get(uid, 0.0)
+        mass = state.mass.get(uid, 1.0 if uid in state.scores else 0.0)
         if state.hotkeys.get(uid) != hk:
-            prev = 0.0
+            prev, mass = 0.0, 0.0
         if uid in round_scores:
             x = round_scores[uid]
             x = min(1.0, max(0.0, x)) if _finite(x) else 0.0
             new_scores[uid] = (1.0 - alpha) * prev + alpha * x
+            new_mass[uid] = (1.0 - alpha) * mass + alpha
         else:
-            new_scores[uid] = prev
+            new_scores[uid], new_mass[uid] = prev, mass
         new_hotkeys[uid] = hk
-    return EmaState(scores=new_scores, hotkeys=new_hotkeys)
+    return EmaState(scores=new_scores, hotkeys=new_hotkeys, mass=new_mass)
+
+
+def forfeit(state: EmaState, uids: Sequence[int]) -> EmaState:
+    """The EMA with ``uids`` set to 0: a miner whose committed work failed an audit loses what it
+    had earned, so being caught once in a while costs more than the rounds it cheated unseen
+    (docs/scoring.md, "Sampled checks")."""
+    caught = set(uids)
+    return EmaState(scores={uid: (0.0 if uid in caught else v) for uid, v in state.scores.items()},
+                    hotkeys=dict(state.hotkeys), mass=dict(state.mass))
 
 
 def combined_scores(scores: Mapping[int, RoundScore]) -> dict[int, float]:

@@ -59,6 +59,7 @@ class ValidatorState:
             "round_counter": self.round_counter,
             "ema": {str(u): s for u, s in sorted(self.ema.scores.items())},
             "hotkeys": {str(u): h for u, h in sorted(self.ema.hotkeys.items())},
+            "ema_mass": {str(u): m for u, m in sorted(self.ema.mass.items())},
             "last_scores": {str(u): s for u, s in sorted(self.last_scores.items())},
             "recent_rounds": self.recent_rounds,
             "weight_set": self.weight_set.as_dict(),
@@ -75,6 +76,8 @@ class ValidatorState:
         try:
             ema = {int(u): float(s) for u, s in data.get("ema", {}).items()}
             hotkeys = {int(u): str(h) for u, h in data.get("hotkeys", {}).items()}
+            # absent in states written before it was kept: those uids count as warmed up
+            mass = {int(u): float(m) for u, m in (data.get("ema_mass") or {}).items()}
             last = {int(u): dict(s) for u, s in data.get("last_scores", {}).items()}
             rounds = list(data.get("recent_rounds", []))
             ws = WeightSetState.from_dict(data.get("weight_set", {}) or {})
@@ -82,11 +85,11 @@ class ValidatorState:
             probation = {str(h): int(r) for h, r in (data.get("probation") or {}).items()}
         except (TypeError, ValueError, AttributeError) as e:
             raise StateError(path, f"malformed field: {e}") from None
-        bad = [u for u, s in ema.items() if not math.isfinite(s) or s < 0]
+        bad = [u for u, s in [*ema.items(), *mass.items()] if not math.isfinite(s) or s < 0]
         if bad:
             raise StateError(path, f"key 'ema': non-finite or negative score for uid(s) {bad}")
         return cls(
-            ema=EmaState(scores=ema, hotkeys=hotkeys),
+            ema=EmaState(scores=ema, hotkeys=hotkeys, mass=mass),
             last_scores=last,
             recent_rounds=rounds,
             weight_set=ws,

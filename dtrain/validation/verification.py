@@ -266,6 +266,13 @@ def judge_trajectory(report, *, expected_epoch: int, problem: str, audits: Seque
 PROBATION_ROUNDS = 10
 
 
+def probation_rounds(miners: int, checked: int) -> int:
+    """Probation lasts PROBATION_ROUNDS of the miner's own checks: a validator that checks
+    ``checked`` of ``miners`` per round sees a miner once every miners/checked rounds, so a
+    shorter probation would mostly pass while nobody looks (docs/scoring.md, "Sampled checks")."""
+    return PROBATION_ROUNDS * max(1, math.ceil(max(miners, 1) / max(checked, 1)))
+
+
 # Rounds in a row a validator may leave unscored as overtaken; after that it scores anyway, so
 # neither misfortune nor miners answering with made-up epochs can stall its scoring.
 MAX_OVERTAKEN_IN_A_ROW = 3

@@ -43,12 +43,13 @@ _SCHEMA = AllReduceConfig()
 # size, so every peer of a run (one model) splits the vector alike.
 MIN_PART_BYTES = 2**17
 MAX_PART_BYTES = 2**19
+PARTS_PER_VECTOR = 32  # the group size the rule was measured at (docs/swarm.md "CPU per byte")
 
 
 def part_size_for(vector_bytes: int) -> int:
     """The part size (wire bytes) of a swarm averaging ``vector_bytes`` of float32 values: the
     largest power of two at most vector_bytes / 32, within [MIN_PART_BYTES, MAX_PART_BYTES]."""
-    share = max(1, int(vector_bytes) // _SCHEMA.target_group_size)
+    share = max(1, int(vector_bytes) // PARTS_PER_VECTOR)
     return max(MIN_PART_BYTES, min(MAX_PART_BYTES, 1 << (share.bit_length() - 1)))
 
 
