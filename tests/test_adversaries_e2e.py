@@ -1,4 +1,9 @@
-"""Every cheating miner kind, in one real sandbox, against the validator's scoring."""
+"""Every cheating miner kind, in one real sandbox, against the validator's scoring.
+
+The validator checks three of the nine miners a round, as a live subnet's validators check a
+sample (``--check``): every miner averages every round, and each is checked once in the
+three rounds (the checks rotate), so each cheat is judged on the round it was checked in.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ KINDS = ["lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poi
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("adversaries") / "box"
-    args = ["sandbox", "--miners", "3", "--rounds", "3", "--dir", str(root), "--json"]
+    args = ["sandbox", "--miners", "3", "--check", "3", "--rounds", "3", "--dir", str(root), "--json"]
     for kind in KINDS:
         args += ["--adversary", kind]
     result = run_dtrain(*args, timeout=1500)
@@ -36,8 +41,17 @@ def test_each_adversary_ends_below_a_quarter_of_the_weakest_honest_miner(run):
 
 
 def _outcomes(run, miner) -> list[str]:
-    """The miner's all-reduce outcome in every round, from the validator's own records."""
-    return [r["outcomes"].get(str(miner["uid"]), "") for r in run["rounds"]]
+    """The miner's all-reduce outcome in every round the validator checked it, from its own records."""
+    return [r["outcomes"][str(miner["uid"])] for r in run["rounds"] if str(miner["uid"]) in r["outcomes"]]
+
+
+def test_every_miner_is_checked_and_every_honest_one_averaged_every_round(run):
+    checked = [set(r["outcomes"]) for r in run["rounds"]]
+    assert all(len(c) == 3 for c in checked), checked
+    assert set().union(*checked) == {str(m["uid"]) for m in run["miners"]}, checked
+    honest = {m["uid"] for m in run["miners"] if m["kind"] == "honest"}
+    for r in run["rounds"]:
+        assert honest <= set(r["averaged"]), (r["round"], r["averaged"])
 
 
 def test_each_adversary_is_caught_for_its_own_reason(run):
@@ -47,7 +61,10 @@ def test_each_adversary_is_caught_for_its_own_reason(run):
     # The inflated claim is refused in the gather by every peer (weight above its committed
     # samples); in later rounds the miner, which took no step, is also out of sync.
     inflated = [r["notes"].get(str(seen["inflated-weight"]["uid"]), "") for r in run["rounds"]]
-    assert "inflated_claim" in seen["inflated-weight"]["gated"] or any("claims weight" in n for n in inflated), inflated
+    # Refused in a round it was not checked in, the validator's own record of the round proves
+    # it (PeerResult.proven): probation, checked or not.
+    assert ({"inflated_claim", "probation"} & set(seen["inflated-weight"]["gated"])
+            or any("claims weight" in n for n in inflated)), (seen["inflated-weight"]["gated"], inflated)
     assert set(_outcomes(run, seen["freeloader"])) == {"NON_PARTICIPATING"}
     # Whether a miner joins a given round's 5 s matchmaking window is up to the scheduler of
     # a loaded machine, so the all-reduce cheats are judged over every round: caught in each

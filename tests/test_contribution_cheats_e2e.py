@@ -6,7 +6,8 @@ noisy, replayed, or reflected through the public sketch's null space), a sandbag
 commits pages it never trained, a reducer that hides a change to its results in that null
 space, and an honest miner whose optimizer is torch's fused AdamW (other hardware). Five
 rounds, as issue #9 asks; the null-space cheats are what the secret-seed round audit is for
-(issue #22).
+(issue #22). The validator checks four of the twelve miners a round (``--check``), as a live
+subnet's validators check a sample, and audits four unchecked ones' work after each round.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ROUNDS = 5
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("contribution-cheats") / "box"
-    args = ["sandbox", "--miners", "3", "--rounds", str(ROUNDS), "--dir", str(root), "--json"]
+    args = ["sandbox", "--miners", "3", "--check", "4", "--rounds", str(ROUNDS), "--dir", str(root), "--json"]
     for kind in CHEATS + ["fused-adamw"]:
         args += ["--adversary", kind]
     result = run_dtrain(*args, timeout=1500)
@@ -50,19 +51,22 @@ def test_an_honest_miner_on_another_optimizer_keeps_its_weight(run):
     honest = [m["weight"] for m in run["miners"] if m["kind"] == "honest"]
     fused = _by_kind(run)["fused-adamw"]
     assert fused["weight"] >= 0.8 * sum(honest) / len(honest), (fused, honest)
-    outcomes = [r["outcomes"].get(str(fused["uid"])) for r in run["rounds"]]
-    assert outcomes.count("SUCCESS") >= ROUNDS - 1, outcomes
+    outcomes = [r["outcomes"][str(fused["uid"])] for r in run["rounds"] if str(fused["uid"]) in r["outcomes"]]
+    assert outcomes and outcomes.count("SUCCESS") >= len(outcomes) - 1, outcomes
+    assert all(fused["uid"] in r["averaged"] for r in run["rounds"]), [r["averaged"] for r in run["rounds"]]
 
 
 def test_each_cheat_is_caught_for_its_own_reason(run):
     seen = _by_kind(run)
     for kind in ("sign-flip", "zero", "rescale", "noisy", "replay"):
         uid = str(seen[kind]["uid"])
-        outcomes = [r["outcomes"].get(uid) for r in run["rounds"]]
         notes = [r["notes"].get(uid, "") for r in run["rounds"]]
-        # never averaged in after its first round (a replayer's first round has nothing to replay)
-        assert "SUCCESS" not in outcomes[1:], (kind, outcomes, notes)
-        assert any("does not match its committed pages" in n for n in notes), (kind, notes)
+        # never averaged in after its first round (a replayer's first round has nothing to replay),
+        # checked or not
+        assert all(seen[kind]["uid"] not in r["averaged"] for r in run["rounds"][1:]), (kind, notes)
+        # refused by every peer's binding check: in the round it was checked in, or, unchecked,
+        # through the validator's own record of the round (then on probation when checked)
+        assert any("does not match its committed pages" in n or "probation" in n for n in notes), (kind, notes)
     # caught by an audit (one page of sixteen is real: 15/16 per round), then on probation
     assert {"work_audit_failed", "probation"} & set(seen["sandbagger"]["gated"]), seen["sandbagger"]
     notes = [r["notes"].get(str(seen["sandbagger"]["uid"]), "") for r in run["rounds"]]

@@ -197,3 +197,69 @@ def test_a_state_written_before_the_mass_was_kept_loads_as_warmed_up(tmp_path):
     del old["ema_mass"]
     legacy = ValidatorState.from_json(old, path)
     assert legacy.ema.paid() == pytest.approx({1: 0.3})  # the raw EMA, as before
+
+
+def test_a_checked_miner_that_sat_the_round_out_is_not_scored_on_it_a_few_times_in_a_row():
+    from dtrain.validation.scoring import score_round
+
+    def verdict(streak_before: int, result=None):
+        return R.miner_verdict(result=result, claimed_weight=None, reachable=True, status_epoch=3, our_epoch=4,
+                               checks=[], note="miner is at epoch 3, the query is for epoch 4", moved_on=False,
+                               moved_on_before=streak_before, shared_peer_id=False, work=None, slice_bps=None,
+                               probation=False)
+
+    first = verdict(0)
+    assert first.moved_on_streak == 1 and first.note.endswith("not scored this round")
+    assert score_round({1: first.scoring})[1].combined is None  # its EMA keeps its value
+    # behind round after round: scored (0) after a few, so falling behind never shelters a miner
+    later = verdict(3)
+    assert score_round({1: later.scoring})[1].combined == 0.0
+
+
+# ------------------------------------------------------------------ faults the round itself proves
+
+def test_a_member_refused_for_its_own_gather_is_marked_proven_but_not_one_of_another_epoch():
+    from dtrain.swarm.averaging.contribution import OTHER_EPOCH
+    from dtrain.swarm.averaging.group_rules import GroupPlan
+    from dtrain.swarm.averaging.report import refused_for_its_gather
+
+    plan = GroupPlan(peer_ids=["V", "A", "B", "C", "D", "E"], me=0, mine={}, roles=["node"] * 6,
+                     claimed=[0, 64, 64, 64, 64, 1e6], used=[0] * 6, compatible=[True, True, True, True, False, True],
+                     norms=[0.0] * 6, out_of_scale={2},
+                     unbound={3: OTHER_EPOCH, 5: "claims weight 1e+06 but committed 64 samples"})
+    assert [refused_for_its_gather(plan, i) for i in range(6)] == [False, False, True, False, False, True]
+
+
+def test_the_validator_penalises_unchecked_members_its_record_proves_at_fault():
+    from dtrain.neurons.validation_audit import Probe, caught, proven_faults
+    from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
+
+    record = RoundRecord(round_id="g", local_peer_id="V", started_at=0.0, duration_s=1.0, group=["V", "A", "B", "C"],
+                         peers=[PeerResult("V", Outcome.SUCCESS), PeerResult("A", Outcome.SUCCESS),
+                                PeerResult("B", Outcome.FAIL, 64, 0, "contribution does not match its committed "
+                                           "pages (sketch error 1)", proven=True),
+                                PeerResult("C", Outcome.FAIL, 64, 0, "banned as sender (timeout, disconnect or "
+                                           "protocol error)")])
+    again = RoundRecord.from_dict(record.to_dict())
+    assert [p.proven for p in again.peers] == [False, False, True, False]
+    miners = {peer: R.Target(uid=i, hotkey=f"h{peer}", api=f"a:{i}", peer_id=peer)
+              for i, peer in enumerate(["A", "B", "C"], start=1)}
+    found = proven_faults(again, miners, checked={"A"})
+    assert [p.uid for p in found] == [2] and not found[0].work.passed  # a timeout proves nothing
+    assert proven_faults(again, miners, checked={"B"}) == []  # a checked one is judged by its checks
+    checked_b = Probe.of(miners["B"])
+    assert caught([checked_b, Probe.of(miners["A"])], again) == [2]
+
+
+def test_the_allreduce_query_gives_unchecked_miners_the_full_cap_unless_on_probation():
+    from dtrain.neurons.validation_round import Probe, allreduce_request
+    from dtrain.validation.scoring import MicroBatchCheck
+
+    good, bad = (Probe.of(R.Target(uid=i, hotkey=f"h{i}", api=f"a:{i}", peer_id=f"P{i}")) for i in (1, 2))
+    good.checks = [MicroBatchCheck(passed=True, similarity=0.9999, loss_rel_err=0.0)]
+    bad.checks = [MicroBatchCheck(passed=False, similarity=0.2, loss_rel_err=0.5)]
+    request = allreduce_request([good, bad], run_id="r", epoch=3, round_no=7, digest="ab", weight_cap=64.0,
+                                deadline_s=60.0, probation={"h4": 9},
+                                unchecked={"P1": "h1", "P2": "h2", "P3": "h3", "P4": "h4"})
+    # checked: what we verified; unchecked: the full cap (bound by its commitment), 0 on probation
+    assert request.weight_caps == {"P1": 64.0, "P2": 0.0, "P3": 64.0, "P4": 0.0}

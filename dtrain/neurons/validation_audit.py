@@ -193,3 +193,32 @@ def snapshot_reader(client, target: Target):
         return dl.data or b""
 
     return read
+
+
+def proven_faults(record, miners: dict, checked: set[str]) -> list[Probe]:
+    """The miners we did not check (``miners``: peer id -> Target) that the round's own record
+    refused for what they published in the gather (``PeerResult.proven``): an unchecked
+    contribution is bound by its commitment all the same, and this validator saw it fail as a
+    member of the group. Each comes back with a failed WorkVerdict, for probation and forfeit."""
+    from dtrain.validation.verification import WorkVerdict
+
+    found = []
+    for result in record.peers:
+        if result.proven and result.peer_id in miners and result.peer_id not in checked:
+            p = Probe.of(miners[result.peer_id])
+            p.note = f"refused in the round for what it published: {result.reason}"
+            p.work = WorkVerdict(committed_samples=0, problem=p.note)
+            found.append(p)
+    return found
+
+
+def caught(probes: list[Probe], record) -> list[int]:
+    """The uids whose committed work failed an audit this round, or whose contribution the
+    round refused for what they published: they forfeit their EMA (docs/scoring.md)."""
+    out = []
+    for p in probes:
+        result = record.result_of(p.peer_id)
+        if (p.work is not None and not p.work.passed) or (result is not None and result.proven):
+            out.append(p.uid)
+    return out
+

@@ -252,14 +252,18 @@ def _verify_one(p: Probe, bench, cfg, challenge: Challenge) -> None:
 
 def allreduce_request(probes: list[Probe], *, run_id: str, epoch: int, round_no: int, digest: str,
                       weight_cap: float, deadline_s: float, probation: dict[str, int],
-                      refused: tuple = ()) -> AllReduceRequest:
-    """The AllReduce query, with each miner's weight cap: what we verified (round_rules.may_contribute),
-    and the peers our round audits caught lately (``refused``: the miners vote to bench them)."""
-    from dtrain.validation.verification import weight_caps
+                      refused: tuple = (), unchecked: dict | None = None) -> AllReduceRequest:
+    """The AllReduce query, with each miner's weight cap: what we verified (round_rules.may_contribute)
+    for the checked ones; the full cap for every other miner (``unchecked``: peer id -> hotkey),
+    bound by its commitment like theirs, unless it is on probation; and the peers our round
+    audits caught lately (``refused``: the miners vote to bench them)."""
+    from dtrain.validation.verification import on_probation, weight_caps
 
-    caps = weight_caps({p.peer_id: round_rules.may_contribute(p.checks, shared_peer_id=p.shared_peer_id,
-                                                              probation=probation, hotkey=p.hotkey, round_no=round_no)
-                        for p in probes}, weight_cap)
+    allowed = {peer: not on_probation(probation, hotkey, round_no) for peer, hotkey in (unchecked or {}).items()}
+    allowed.update({p.peer_id: round_rules.may_contribute(p.checks, shared_peer_id=p.shared_peer_id,
+                                                          probation=probation, hotkey=p.hotkey, round_no=round_no)
+                    for p in probes})
+    caps = weight_caps(allowed, weight_cap)
     return AllReduceRequest(round_id=f"{run_id}-{epoch}-{round_no}", epoch=epoch, weight_cap=weight_cap,
                             deadline_s=deadline_s, weight_caps=caps, params_digest=digest,
                             refused=tuple(refused)[:64] or None)
@@ -295,9 +299,11 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
         except ApiError as exc:
             p.allreduce_error = str(exc)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(probes)))) as pool:
+    with ThreadPoolExecutor(max_workers=min(16, len(probes)) + 1) as pool:
         futures = [pool.submit(ask, p) for p in probes]
-        announce()
+        # in the background: a DHT store can take seconds on a busy node, and the group must not
+        # form among the miners before we are in matchmaking
+        pool.submit(announce)
         tensors = [z.clone() for z in zeros]
         record = swarm.run_round(tensors, weight=0.0, cap=0.0, expected_peers=sorted(expected),
                                  timeout_s=request.deadline_s, peer_caps=request.weight_caps, stop=stop, work=work,

@@ -67,6 +67,7 @@ class Validator(NeuronBase):
         self._uids_by_peer: dict[str, int] = {}  # of the committed miners, this round
         self._last_checked: dict[str, int] = {}  # hotkey -> the round we last checked it in
         self._averaged_last: set[str] = set()  # peers our last round averaged
+        self._in_step_with: set[str] = set()  # miners that held our replica when this round began
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -225,8 +226,7 @@ class Validator(NeuronBase):
         loss_after = self._eval_loss() if record.ok else loss_before
 
         # Score, set weights, persist.
-        scores = self._score(probes, record, neurons, round_no, caught=[p.uid for p in probes + later
-                                                                         if p.work is not None and not p.work.passed])
+        scores = self._score(probes, record, neurons, round_no, caught=audits.caught(probes + later, record))
         weights = self._set_weights(neurons)
         summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
         summary["audit_s"] = round(audit_s, 3)
@@ -268,7 +268,7 @@ class Validator(NeuronBase):
         miners = miner_targets(neurons, commitments)
         others = {peer: (t.api, t.hotkey) for peer, t in miners.items()}
         later = [Probe.of(miners[peer]) for peer in later_audits(
-            [peer for peer in record.work_reports if peer in miners], {p.peer_id for p in probes},
+            [peer for peer in record.work_reports if peer in self._in_step_with], {p.peer_id for p in probes},
             self.cfg.validator.unchecked_audits, random.Random(secrets.randbits(64)))]
         found = audits.round_audit(self.client, self.swarm, probes + later, record, averaged, others=others)
         self._audit_refused.tick()
@@ -276,10 +276,11 @@ class Validator(NeuronBase):
             self._audit_refused.name([peer], PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS)
             self.tel.event(f"round audit: peer {peer[:16]}… {found.problems[peer]}; named to the miners as refused")
         audits.audit(self.client, self.bench.mode, probes + later, record, self.epoch)
+        later += audits.proven_faults(record, miners, {p.peer_id for p in probes + later})
         for p in later:
             if p.work is not None and not p.work.passed:
-                self.tel.event(f"uid {p.uid}: its unchecked contribution failed a later audit ({p.note}); "
-                               "its score is forfeit and it is on probation")
+                self.tel.event(f"uid {p.uid}, not checked this round: {p.note}; its score is forfeit and it is "
+                               "on probation")
         return later
 
     def _follow_the_swarm(self, probes: list[Probe]) -> None:
@@ -316,14 +317,16 @@ class Validator(NeuronBase):
         request = phases.allreduce_request(probes, run_id=self.bench.run_id, epoch=self.epoch, round_no=round_no,
                                            digest=self._digest, weight_cap=self.bench.mode.weight_cap,
                                            deadline_s=round_deadline_s(self.cfg.allreduce),
-                                           probation=self.state.probation,
-                                           refused=tuple(self._audit_refused.named()))
+                                           probation=self.state.probation, refused=tuple(self._audit_refused.named()),
+                                           unchecked={c.peer_id: hotkey for hotkey, c in commitments.items()})
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "miners": len(probes)})
         # Every miner at our epoch joins, checked or not: the group waits for all that its progress
         # on the DHT shows there, and for the miners our last round averaged (they stepped with us).
         miner_ids = {c.peer_id for c in commitments.values()}
         expected = ({p.peer_id for p in probes} | self._fellow_validators | self._live_miners(miner_ids)
                     | (self._averaged_last & miner_ids))
+        # whose work we can audit unchecked: it trained on our replica (we averaged together, whole)
+        self._in_step_with = self._averaged_last & miner_ids if self._in_step else set()
         record, averaged = phases.allreduce(self.client, self.swarm, probes, request, zeros=self.zeros,
                                             expected=sorted(expected),
                                             announce=lambda: self._announce(request),
@@ -341,8 +344,7 @@ class Validator(NeuronBase):
             return set()
 
     def _announce(self, request) -> None:
-        problem = phases.announce(self.node.dht, self.cfg.model.run_id, request)
-        if problem:
+        if problem := phases.announce(self.node.dht, self.cfg.model.run_id, request):
             self.tel.event(problem)
 
     def _overtaken(self, round_no: int, probes: list[Probe], record) -> bool:

@@ -44,6 +44,9 @@ class PeerResult:
     weight_claimed: float = 0.0  # the weight the peer announced in matchmaking
     weight_used: float = 0.0  # after the cap (and 0 if its contribution was rejected)
     reason: str = ""
+    # refused on what it published in the gather (its claimed weight, norm or work commitment),
+    # which every member reads alike: its own fault, provable to anyone in the group
+    proven: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -58,6 +61,7 @@ class PeerResult:
             weight_claimed=float(d.get("weight_claimed", 0.0)),
             weight_used=float(d.get("weight_used", 0.0)),
             reason=str(d.get("reason", "")),
+            proven=bool(d.get("proven", False)),
         )
 
 

@@ -140,7 +140,10 @@ def live_miners(progress: Sequence, miner_peer_ids: set[str], epoch: int) -> set
 def later_audits(members: Sequence[str], checked: set[str], count: int, rng: random.Random) -> list[str]:
     """Up to ``count`` members of the round's group that this validator did not check, drawn
     after the round with ``rng``: their committed work is audited all the same, so a miner
-    cannot cheat whenever it was not asked (docs/scoring.md, "Sampled checks")."""
+    cannot cheat whenever it was not asked (docs/scoring.md, "Sampled checks"). ``members``:
+    those that trained on our replica (our last round averaged them and us, whole): a miner on
+    another replica (a catch-up, a split group) would fail the recomputation through no fault
+    of its own."""
     unchecked = sorted(set(members) - checked)
     return rng.sample(unchecked, min(count, len(unchecked)))
 
@@ -253,12 +256,16 @@ def miner_verdict(*, result: PeerResult | None, claimed_weight: float | None, re
     row it had moved on before this one; ``probation`` that it is on probation this round. A miner that moved on and missed our group is left
     unscored (``verification.excuse_moved_on``). A reachable miner that did not answer the
     Train challenge, or answered it out of sync, gets an empty check: gated to 0, not "not
-    measured"; one ahead of us is not measured. Bandwidth is the state slice this validator
+    measured"; one ahead of us is not measured; one behind us that missed our group is left
+    unscored like one that moved on (it sat a round out). Bandwidth is the state slice this validator
     timed and checked itself: the all-reduce figures in a miner's reply are its own claims.
     """
     outcome = round_outcome(result, reachable)
-    streak = moved_on_streak(moved_on_before, moved_on)
-    excused = excuse_moved_on(moved_on, outcome, streak)
+    # A miner behind our epoch sat the last round out (a restart, a lost part) and is catching
+    # up: it is scored on a round it is in, not this one, for a few rounds in a row at most.
+    behind = reachable and status_epoch is not None and status_epoch < our_epoch
+    streak = moved_on_streak(moved_on_before, moved_on or behind)
+    excused = excuse_moved_on(moved_on or behind, outcome, streak)
     ahead = reachable and (status_epoch or 0) > our_epoch
     measured = not excused and (bool(checks) or (reachable and not ahead))
     scoring = round_input(checks=list(checks) if measured else None, shared_peer_id=shared_peer_id, work=work,

@@ -123,6 +123,15 @@ def _remote_outcome(peer: str, v: Verdicts) -> tuple[Outcome, str]:
     return Outcome.SUCCESS, ""
 
 
+def refused_for_its_gather(plan: GroupPlan, i: int) -> bool:
+    """Member ``i`` was refused on what it published in the gather (out of scale, a weight its
+    commitment does not bind), the same on every member; not for a commitment of another epoch,
+    which an honest peer that is late or early makes."""
+    from dtrain.swarm.averaging.contribution import OTHER_EPOCH
+
+    return plan.compatible[i] and (i in plan.out_of_scale or plan.unbound.get(i, OTHER_EPOCH) != OTHER_EPOCH)
+
+
 def build_report(plan: GroupPlan, round_id: str, verdicts: Verdicts, figures: Figures, *,
                  refused: Optional[list] = None, evidence: Any = None) -> RoundReport:
     """The report of a round this peer took part in; ``refused``: reducers refused for what they
@@ -131,7 +140,7 @@ def build_report(plan: GroupPlan, round_id: str, verdicts: Verdicts, figures: Fi
     for i, peer in enumerate(plan.peer_ids):
         outcome, reason = member_outcome(plan, i, verdicts)
         peers.append(PeerResult(peer, outcome, plan.claimed[i], plan.used[i] if outcome == Outcome.SUCCESS else 0.0,
-                                reason))
+                                reason, proven=refused_for_its_gather(plan, i)))
     total = max(figures.total_size, 1)
     receives = plan.receives
     return RoundReport(
