@@ -31,18 +31,18 @@ def test_a_miner_joins_once_per_notice_for_its_epoch_and_catches_up_to_a_later_o
     assert j.decide(5, [], now=0.5) is None  # nothing announced: miners never start a round alone
     assert j.decide(5, [], now=1e6) is None
     assert j.decide(5, [notice(4)], now=2.0) is None  # an older round: not ours
-    assert j.decide(5, [notice(5, "run-5-7")], now=2.0) == Join("run-5-7")
+    assert j.decide(5, [notice(5, "run-5-7")], now=2.0) == Join("run-5-7", "V1")
     j.attempted(now=3.0)
     assert j.decide(5, [notice(5, "run-5-7")], now=10.0) is None  # the same notice is joined once
     # a second validator's notice for the same epoch (its round failed, or it came late)
-    assert j.decide(5, [notice(5, "run-5-7"), notice(5, "run-5-8", "V2")], now=10.0) == Join("run-5-8")
+    assert j.decide(5, [notice(5, "run-5-7"), notice(5, "run-5-8", "V2")], now=10.0) == Join("run-5-8", "V2")
     j.attempted(now=11.0)
     # behind: a round of a later epoch would refuse its contribution; it catches up instead
     assert j.decide(5, [notice(9, "run-9-1")], now=20.0) == CatchUp(9)
     assert j.decide(5, [notice(9, "run-9-2", "V2")], now=20.5) is None  # one catch-up per gap
     assert j.decide(5, [notice(9, "run-9-1")], now=30.0) is None  # once per notice
     # the same validator's round id at the next epoch is a new notice
-    assert j.decide(6, [notice(6, "run-5-7")], now=40.0) == Join("run-5-7")
+    assert j.decide(6, [notice(6, "run-5-7")], now=40.0) == Join("run-5-7", "V1")
 
 
 def test_joins_are_at_least_min_gap_apart_so_forged_notices_cost_one_attempt_per_gap():
@@ -263,3 +263,20 @@ def test_the_allreduce_query_gives_unchecked_miners_the_full_cap_unless_on_proba
                                 unchecked={"P1": "h1", "P2": "h2", "P3": "h3", "P4": "h4"})
     # checked: what we verified; unchecked: the full cap (bound by its commitment), 0 on probation
     assert request.weight_caps == {"P1": 64.0, "P2": 0.0, "P3": 64.0, "P4": 0.0}
+
+
+def test_a_round_joined_from_a_notice_counts_only_with_its_announcer_in_the_group():
+    from types import SimpleNamespace
+
+    from dtrain.neurons.miner_rounds import MinerRounds
+    from dtrain.swarm.records import RoundRecord
+
+    rounds = MinerRounds(miner=SimpleNamespace())
+    late_group = RoundRecord(round_id="g2", local_peer_id="M", started_at=0.0, duration_s=1.0, group=["M", "M2"])
+    validators_group = RoundRecord(round_id="g1", local_peer_id="M", started_at=0.0, duration_s=1.0,
+                                   group=["V1", "M", "M2"])
+    assert rounds.witnessed(late_group)  # a validator's query asked us in: no condition
+    rounds.announcer = "V1"
+    assert not rounds.witnessed(late_group) and rounds.witnessed(validators_group)
+    rounds.finished()
+    assert rounds.announcer is None and rounds.witnessed(late_group)

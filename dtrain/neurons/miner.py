@@ -193,10 +193,12 @@ class Miner(NeuronBase):
                 self._checkpoint()
             if self.max_rounds is not None and self.rounds_done >= self.max_rounds:
                 break
-            request = self.rounds.due() if self._joins_rounds() else None
+            request = self.rounds.due() if self._joins_rounds() else None  # checked or not, every round
             if request is not None:
-                # every miner averages every round, checked by a validator or not
-                self._do_round(request)
+                try:
+                    self._do_round(request)
+                finally:
+                    self.rounds.finished()
                 continue
             if self._wants_more_data():
                 self._train_own_page()
@@ -353,6 +355,8 @@ class Miner(NeuronBase):
                                       tokens=samples * self.cfg.model.seq_len,
                                       timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop,
                                       work=report, work_nonce=work_nonce(self.bench.run_id, self.epoch))
+        if not self.rounds.witnessed(record):
+            record.error = record.error or "the validator that announced the round is not in this group: not applied"
         metrics = self._apply_round(record, mean)
         if metrics is None and self._group_went_on_without_us(record):
             # The others took this round's step: we are a round behind from now on, and the

@@ -29,6 +29,7 @@ class MinerRounds:
         self.miner = miner
         self.joining: RoundJoining | None = None
         self._notices: list = []
+        self.announcer: str | None = None  # of the notice whose round is being joined
 
     def start(self, stop: threading.Event) -> None:
         """Read the notices every NOTICE_POLL_S until ``stop`` (the swarm's DHT must be up)."""
@@ -62,10 +63,20 @@ class MinerRounds:
             return None
         if join is None:
             return None
+        self.announcer = join.announcer
         return AllReduceRequest(round_id=join.round_id, epoch=m.epoch, weight_cap=m.bench.mode.weight_cap,
                                 deadline_s=round_deadline_s(m.cfg.allreduce))
 
+    def witnessed(self, record) -> bool:
+        """Whether a round joined from a notice averaged with the validator that announced it.
+        Miners that reached matchmaking after the validator's group formed can form a group of
+        their own: its step would split their replicas from the validators', so it is not taken
+        (they catch up at the next notice instead). A round a validator's query asked us into
+        has no such condition (its validator's peer id is not known here)."""
+        return self.announcer is None or self.announcer in record.group
+
     def finished(self) -> None:
         """A round (joined from a notice or on a validator's query) is over."""
+        self.announcer = None
         if self.joining is not None:
             self.joining.attempted(time.monotonic())

@@ -19,6 +19,7 @@ TRIED_KEPT = 256  # notices remembered as tried (a forger cannot grow this)
 @dataclass(frozen=True)
 class Join:
     round_id: str  # the notice's round
+    announcer: str  # the validator's peer id: a group without it is not the announced round
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class RoundJoining:
             if notice.epoch >= epoch and key not in self._tried:
                 self._tried.append(key)
                 if notice.epoch == epoch:
-                    return Join(notice.round_id)
+                    return Join(notice.round_id, notice.announcer)
                 # a forged notice for a later epoch costs at most one catch-up per gap (and the
                 # catch-up keeps only a state that peers really hold at that epoch)
                 self._last_attempt = now

@@ -55,6 +55,9 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     a = cfg.allreduce
     a.min_group_size, a.target_group_size = 2, 64
     a.matchmaking_time, a.request_timeout, a.allreduce_timeout = 5.0, 3.0, 30.0
+    # Many neurons on one machine reach matchmaking seconds apart; the group still forms as soon
+    # as every expected miner is in, so a longer window costs nothing when they all come.
+    a.matchmaking_time = max(a.matchmaking_time, 0.5 * total_miners)
     a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
     if mode == "diloco":
         a.mode, a.diloco_inner_steps, a.diloco_snapshot_every = "diloco", SANDBOX_DILOCO_H, SANDBOX_SNAPSHOT_EVERY
