@@ -280,3 +280,19 @@ def test_a_round_joined_from_a_notice_counts_only_with_its_announcer_in_the_grou
     assert not rounds.witnessed(late_group) and rounds.witnessed(validators_group)
     rounds.finished()
     assert rounds.announcer is None and rounds.witnessed(late_group)
+
+
+def test_an_unwitnessed_round_is_marked_failed_so_its_step_is_not_taken():
+    from types import SimpleNamespace
+
+    from dtrain.neurons.miner_rounds import MinerRounds
+    from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
+
+    rounds = MinerRounds(miner=SimpleNamespace())
+    rounds.announcer = "V1"
+    record = RoundRecord(round_id="g2", local_peer_id="M", started_at=0.0, duration_s=1.0, group=["M", "M2"],
+                         peers=[PeerResult("M", Outcome.SUCCESS), PeerResult("M2", Outcome.SUCCESS)],
+                         fraction_averaged=1.0)
+    assert record.ok
+    rounds.vet(record)
+    assert not record.ok and "not in this group" in record.error

@@ -355,8 +355,7 @@ class Miner(NeuronBase):
                                       tokens=samples * self.cfg.model.seq_len,
                                       timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop,
                                       work=report, work_nonce=work_nonce(self.bench.run_id, self.epoch))
-        if not self.rounds.witnessed(record):
-            record.error = record.error or "the validator that announced the round is not in this group: not applied"
+        self.rounds.vet(record)
         metrics = self._apply_round(record, mean)
         if metrics is None and self._group_went_on_without_us(record):
             # The others took this round's step: we are a round behind from now on, and the

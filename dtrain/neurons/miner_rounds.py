@@ -75,6 +75,11 @@ class MinerRounds:
         has no such condition (its validator's peer id is not known here)."""
         return self.announcer is None or self.announcer in record.group
 
+    def vet(self, record) -> None:
+        """Mark a round that was not ``witnessed`` failed, so that its step is not taken."""
+        if not self.witnessed(record):
+            record.error = record.error or "the validator that announced the round is not in this group: not applied"
+
     def finished(self) -> None:
         """A round (joined from a notice or on a validator's query) is over."""
         self.announcer = None
