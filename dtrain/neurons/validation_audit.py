@@ -195,19 +195,23 @@ def snapshot_reader(client, target: Target):
     return read
 
 
-def proven_faults(record, miners: dict, checked: set[str]) -> list[Probe]:
+def proven_faults(record, miners: dict, checked: set[str], audit=None) -> list[Probe]:
     """The miners we did not check (``miners``: peer id -> Target) that the round's own record
-    refused for what they published in the gather (``PeerResult.proven``): an unchecked
-    contribution is bound by its commitment all the same, and this validator saw it fail as a
-    member of the group. Each comes back with a failed WorkVerdict, for probation and forfeit."""
+    refused for what they published in the gather (``PeerResult.proven``), or that our round
+    audit proved at fault with committed bytes (``audit``: its AuditResult): an unchecked
+    contribution or share is bound by its commitments all the same, and this validator holds
+    the proof. Each comes back with a failed WorkVerdict, for probation and forfeit."""
     from dtrain.validation.verification import WorkVerdict
 
+    proofs = {r.peer_id: f"refused in the round for what it published: {r.reason}" for r in record.peers if r.proven}
+    if audit is not None:
+        proofs.update({peer: "round audit: " + audit.problems[peer] for peer in audit.proven if peer in audit.problems})
     found = []
-    for result in record.peers:
-        if result.proven and result.peer_id in miners and result.peer_id not in checked:
-            p = Probe.of(miners[result.peer_id])
-            p.note = f"refused in the round for what it published: {result.reason}"
-            p.work = WorkVerdict(committed_samples=0, problem=p.note)
+    for peer, why in proofs.items():
+        if peer in miners and peer not in checked:
+            p = Probe.of(miners[peer])
+            p.note = why
+            p.work = WorkVerdict(committed_samples=0, problem=why)
             found.append(p)
     return found
 

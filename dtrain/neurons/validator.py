@@ -276,7 +276,7 @@ class Validator(NeuronBase):
             self._audit_refused.name([peer], PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS)
             self.tel.event(f"round audit: peer {peer[:16]}… {found.problems[peer]}; named to the miners as refused")
         audits.audit(self.client, self.bench.mode, probes + later, record, self.epoch)
-        later += audits.proven_faults(record, miners, {p.peer_id for p in probes + later})
+        later += audits.proven_faults(record, miners, {p.peer_id for p in probes + later}, found)
         for p in later:
             if p.work is not None and not p.work.passed:
                 self.tel.event(f"uid {p.uid}, not checked this round: {p.note}; its score is forfeit and it is "
