@@ -1,5 +1,5 @@
 """Every miner averages every round, whichever miners the validators check: when a miner joins
-(round notices on the DHT, the fallback clock), whom a validator expects and checks, and how
+(round notices on the DHT), whom a validator expects and checks, and how
 sampled checks are paid and penalised (docs/protocol.md "AllReduce", docs/scoring.md "Sampled
 checks")."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
 
 import pytest
 
@@ -18,6 +17,7 @@ from dtrain.swarm.round_notices import RoundNotice
 from dtrain.validation import round_rules as R
 from dtrain.validation.scoring import EmaState, forfeit, update_ema
 from dtrain.validation.verification import PROBATION_ROUNDS, probation_rounds
+from tests.test_validation_round_rules import Commit, Neuron  # the chain's neuron and commitment, as data
 
 
 def notice(epoch: int, round_id: str = "run-1-1", announcer: str = "V1") -> RoundNotice:
@@ -85,19 +85,6 @@ def test_round_notices_travel_over_the_dht_and_junk_is_ignored():
 
 
 # ------------------------------------------------------------------ whom a validator expects and checks
-
-@dataclass
-class Neuron:
-    uid: int
-    hotkey: str
-    validator_permit: bool = False
-
-
-@dataclass
-class Commit:
-    api: str
-    peer_id: str
-
 
 def test_a_validator_expects_every_committed_miner_whose_progress_shows_its_epoch():
     progress = [PeerProgress("A", 4, 64, 1.0, 0.0), PeerProgress("B", 4, 0, 0.0, 0.0),
