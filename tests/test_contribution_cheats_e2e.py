@@ -67,6 +67,8 @@ def test_each_cheat_is_caught_for_its_own_reason(run):
         # refused by every peer's binding check: in the round it was checked in, or, unchecked,
         # through the validator's own record of the round (then on probation when checked)
         assert any("does not match its committed pages" in n or "probation" in n for n in notes), (kind, notes)
+        # checked in the round it was refused in, it is scored FAIL there, not excused as if behind
+        assert not any("does not match its committed pages" in n and "not scored" in n for n in notes), (kind, notes)
     # caught by an audit (one page of sixteen is real: 15/16 per round), then on probation
     assert {"work_audit_failed", "probation"} & set(seen["sandbagger"]["gated"]), seen["sandbagger"]
     notes = [r["notes"].get(str(seen["sandbagger"]["uid"]), "") for r in run["rounds"]]

@@ -245,6 +245,71 @@ def test_the_validator_penalises_unchecked_members_its_record_proves_at_fault():
     assert caught([checked_b, Probe.of(miners["A"])], again) == [2]
 
 
+def test_a_miner_on_probation_is_noted_so_even_when_checked_while_behind():
+    # caught unchecked in an earlier round, checked later while behind: the note leads with
+    # the probation (why it earns nothing for rounds), then the round's own problem
+    from dtrain.neurons.validation_round import Probe, update_probation
+    from dtrain.swarm.records import RoundRecord
+    from dtrain.validation.verification import WorkVerdict
+
+    behind, fresh, caught_now = (Probe.of(R.Target(uid=i, hotkey=f"h{i}", api=f"a:{i}", peer_id=f"P{i}"))
+                                 for i in (1, 2, 3))
+    behind.note = "a:1: miner is at epoch 1, the query is for epoch 2"
+    caught_now.work = WorkVerdict(committed_samples=0, problem="committed page 7 failed its audit")
+    caught_now.note = "committed page 7 failed its audit"
+    no_round = RoundRecord(round_id="", local_peer_id="V", started_at=0.0, duration_s=0.0)
+    after = update_probation([behind, fresh, caught_now], no_round, {"h1": 9, "h2": 8}, round_no=3, rounds=5)
+    assert after == {"h1": 9, "h2": 8, "h3": 8}
+    assert behind.note == ("on probation until round 9 (its committed work failed an audit); "
+                           "a:1: miner is at epoch 1, the query is for epoch 2")
+    assert fresh.note == "on probation until round 8 (its committed work failed an audit)"
+    assert caught_now.note == "committed page 7 failed its audit"  # the audit's own problem says it
+
+
+def test_a_checked_miner_the_round_refused_for_its_gather_goes_on_probation_like_an_unchecked_one():
+    # its pages were real (the work audit passes) but what it sent was not their mean: the
+    # record's proof is enough, checked or not (docs/scoring.md, "Sampled checks")
+    from dtrain.neurons.validation_round import Probe, update_probation
+    from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
+    from dtrain.validation.verification import WorkVerdict
+
+    record = RoundRecord(round_id="g", local_peer_id="V", started_at=0.0, duration_s=1.0, group=["V", "P1", "P2"],
+                         peers=[PeerResult("V", Outcome.SUCCESS),
+                                PeerResult("P1", Outcome.FAIL, 64, 0, "contribution does not match its committed "
+                                           "pages (sketch error 1)", proven=True),
+                                PeerResult("P2", Outcome.FAIL, 64, 0, "banned as sender (timeout)")])
+    sender, slow = (Probe.of(R.Target(uid=i, hotkey=f"h{i}", api=f"a:{i}", peer_id=f"P{i}")) for i in (1, 2))
+    sender.work = slow.work = WorkVerdict(committed_samples=64)
+    after = update_probation([sender, slow], record, {}, round_no=4, rounds=10)
+    assert after == {"h1": 14}  # a timeout proves nothing
+    assert R.probation_update({}, {"h": None}, round_no=2, refused={"h"}) == ({"h": 2 + PROBATION_ROUNDS}, {})
+
+
+def test_a_checked_miner_is_judged_at_the_rounds_epoch_not_the_validators_after_its_step():
+    # the validator scores after taking the round's step: against that epoch every miner would
+    # read as behind, and a refused one would be excused instead of scored FAIL
+    from dtrain.api.messages import StatusResponse
+    from dtrain.neurons.validation_round import Probe, assess
+    from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
+    from dtrain.validation.scoring import MicroBatchCheck
+
+    record = RoundRecord(round_id="g", local_peer_id="V", started_at=0.0, duration_s=1.0, group=["V", "P1"],
+                         peers=[PeerResult("V", Outcome.SUCCESS),
+                                PeerResult("P1", Outcome.FAIL, 64, 0, "contribution does not match its committed "
+                                           "pages (sketch error 1)", proven=True)])
+    probe = Probe.of(R.Target(uid=1, hotkey="h1", api="a:1", peer_id="P1"))
+    probe.status = StatusResponse(epoch=5)
+    probe.checks = [MicroBatchCheck(passed=True, similarity=0.9999, loss_rel_err=0.0)]
+    inputs, streaks = assess([probe], record, epoch=5, probation={}, round_no=3, moved_on_streaks={})
+    assert probe.outcome == "FAIL" and "not scored" not in probe.note and streaks == {}
+    assert inputs[1].outcome == Outcome.FAIL  # scored on its FAIL
+    # behind the round's epoch and out of the group: that one is excused (it sat the round out)
+    probe = Probe.of(R.Target(uid=1, hotkey="h1", api="a:1", peer_id="P9"))
+    probe.status = StatusResponse(epoch=4)
+    inputs, streaks = assess([probe], record, epoch=5, probation={}, round_no=3, moved_on_streaks={})
+    assert "not scored" in probe.note and streaks == {"h1": 1} and inputs[1].outcome is None
+
+
 def test_the_allreduce_query_gives_unchecked_miners_the_full_cap_unless_on_probation():
     from dtrain.neurons.validation_round import Probe, allreduce_request
     from dtrain.validation.scoring import MicroBatchCheck

@@ -315,20 +315,26 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
 
 # ------------------------------------------------------------------ after the all-reduce
 
-def update_probation(probes: list[Probe], probation: dict[str, int], round_no: int, *, rounds: int) -> dict[str, int]:
-    """The probation map after this round's audits (``rounds``: how long a caught miner stays on
-    it); notes the miners still on probation."""
-    after, notes = round_rules.probation_update(probation, {p.hotkey: p.work for p in probes}, round_no, rounds=rounds)
+def update_probation(probes: list[Probe], record, probation: dict[str, int], round_no: int, *,
+                     rounds: int) -> dict[str, int]:
+    """The probation map after this round's audits and its record (a member refused for what it
+    published in the gather is caught like a failed audit, checked or not; ``rounds``: how long
+    a caught miner stays on it); notes the miners still on probation. The probation leads a note
+    the miner already has (behind, unreachable): it is why it earns nothing for rounds, not just this one."""
+    refused = {p.hotkey for p in probes if (r := record.result_of(p.peer_id)) is not None and r.proven}
+    after, notes = round_rules.probation_update(probation, {p.hotkey: p.work for p in probes}, round_no,
+                                                rounds=rounds, refused=refused)
     for p in probes:
         if p.hotkey in notes:
-            p.note = p.note or notes[p.hotkey]
+            p.note = f"{notes[p.hotkey]}; {p.note}" if p.note else notes[p.hotkey]
     return after
 
 
 def assess(probes: list[Probe], record, *, epoch: int, probation: dict[str, int], round_no: int,
            moved_on_streaks: dict[str, int]) -> tuple[dict, dict[str, int]]:
     """Each miner's verdict (round_rules.miner_verdict): the scoring inputs by uid, and the new
-    rounds-in-a-row each hotkey has moved on mid-check (absent: 0)."""
+    rounds-in-a-row each hotkey has moved on mid-check (absent: 0). ``epoch``: the one the round
+    ran at, not the validator's after its step (every miner would read as behind it)."""
     from dtrain.validation.verification import on_probation
 
     claimed_by_peer = {r.peer_id: r.weight_claimed for r in record.peers}

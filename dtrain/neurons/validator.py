@@ -210,6 +210,7 @@ class Validator(NeuronBase):
         verify_s = self._probe_and_verify(probes)
 
         # The all-reduce, joined with weight 0; unscored if another validator's round ran first.
+        round_epoch = self.epoch
         record, averaged = self._allreduce(probes, round_no, commitments)
         if self._overtaken(round_no, probes, record):
             return False
@@ -220,13 +221,14 @@ class Validator(NeuronBase):
         later = self._audit(probes, record, averaged, neurons, commitments)
         audit_s = time.perf_counter() - t0
         self.state.probation = phases.update_probation(
-            probes + later, self.state.probation, round_no,
+            probes + later, record, self.state.probation, round_no,
             rounds=probation_rounds(len(miners), len(probes)))
         self._take_step(record, averaged)
         loss_after = self._eval_loss() if record.ok else loss_before
 
         # Score, set weights, persist.
-        scores = self._score(probes, record, neurons, round_no, caught=audits.caught(probes + later, record))
+        scores = self._score(probes, record, neurons, round_no, round_epoch,
+                             caught=audits.caught(probes + later, record))
         weights = self._set_weights(neurons)
         summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
         summary["audit_s"] = round(audit_s, 3)
@@ -376,19 +378,14 @@ class Validator(NeuronBase):
                 self._catch_up()
         self.tel.round_finished(record.to_dict())
 
-    def _score(self, probes: list[Probe], record, neurons, round_no: int, caught: list[int]) -> dict:
-        """Each checked miner's verdict and score; the EMA (``caught``: uids whose committed work
-        failed an audit forfeit it) and the dashboard's last scores."""
-        from dtrain.validation.scoring import (
-            ScoringConfig,
-            combined_scores,
-            forfeit,
-            score_round,
-            update_ema,
-        )
+    def _score(self, probes: list[Probe], record, neurons, round_no: int, round_epoch: int,
+               caught: list[int]) -> dict:
+        """Each checked miner's verdict and score at the epoch the round ran at; the EMA
+        (``caught``: uids whose committed work failed an audit forfeit it) and the dashboard's last scores."""
+        from dtrain.validation.scoring import ScoringConfig, combined_scores, forfeit, score_round, update_ema
 
         scfg = ScoringConfig.from_validator(self.cfg.validator)
-        inputs, self._moved_on_in_a_row = phases.assess(probes, record, epoch=self.epoch,
+        inputs, self._moved_on_in_a_row = phases.assess(probes, record, epoch=round_epoch,
                                                         probation=self.state.probation, round_no=round_no,
                                                         moved_on_streaks=self._moved_on_in_a_row)
         scores = score_round(inputs, scfg)

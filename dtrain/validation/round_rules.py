@@ -202,11 +202,14 @@ def skip_overtaken(*, round_averaged: bool, our_epoch: int, answer_epochs: Seque
 
 
 def probation_update(probation: Mapping[str, int], work: Mapping[str, WorkVerdict | None],
-                     round_no: int, rounds: int = PROBATION_ROUNDS) -> tuple[dict[str, int], dict[str, str]]:
+                     round_no: int, rounds: int = PROBATION_ROUNDS,
+                     refused: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, int], dict[str, str]]:
     """The probation map after this round's audits (``work``: hotkey -> its verdict, None when
-    nothing was audited), and a note for each audited hotkey still on probation from an
-    earlier round (one caught now already has the audit's problem as its note)."""
-    failed = {hotkey: verdict is not None and not verdict.passed for hotkey, verdict in work.items()}
+    nothing was audited; ``refused``: hotkeys the round refused for what they published, which
+    is as proven as a failed audit), and a note for each audited hotkey still on probation from
+    an earlier round (one caught now already has its problem as its note)."""
+    failed = {hotkey: (verdict is not None and not verdict.passed) or hotkey in refused
+              for hotkey, verdict in work.items()}
     after = update_probation(dict(probation), failed, round_no, rounds)
     notes = {hotkey: f"on probation until round {after[hotkey]} (its committed work failed an audit)"
              for hotkey, caught in failed.items() if hotkey in after and not caught}
@@ -252,8 +255,9 @@ def miner_verdict(*, result: PeerResult | None, claimed_weight: float | None, re
 
     ``result`` is its entry in the round's record (None: not in it), ``claimed_weight`` the
     weight it announced there (checked against its verified samples); ``reachable`` that
-    it answered the status query, from ``status_epoch``; ``moved_on_before`` the rounds in a
-    row it had moved on before this one; ``probation`` that it is on probation this round. A miner that moved on and missed our group is left
+    it answered the status query, from ``status_epoch``; ``our_epoch`` the epoch the round ran
+    at; ``moved_on_before`` the rounds in a row it had moved on before this one; ``probation``
+    that it is on probation this round. A miner that moved on and missed our group is left
     unscored (``verification.excuse_moved_on``). A reachable miner that did not answer the
     Train challenge, or answered it out of sync, gets an empty check: gated to 0, not "not
     measured"; one ahead of us is not measured; one behind us that missed our group is left
@@ -271,5 +275,5 @@ def miner_verdict(*, result: PeerResult | None, claimed_weight: float | None, re
     scoring = round_input(checks=list(checks) if measured else None, shared_peer_id=shared_peer_id, work=work,
                           claimed_weight=claimed_weight,
                           outcome=None if excused else outcome, slice_bps=slice_bps, probation=probation)
-    return MinerVerdict(outcome=outcome, note=miner_note(note, outcome, result.reason if result else "", excused=excused),
-                        moved_on_streak=streak, scoring=scoring)
+    note = miner_note(note, outcome, result.reason if result else "", excused=excused)
+    return MinerVerdict(outcome=outcome, note=note, moved_on_streak=streak, scoring=scoring)
