@@ -260,9 +260,9 @@ def test_a_miner_on_probation_is_noted_so_even_when_checked_while_behind():
     no_round = RoundRecord(round_id="", local_peer_id="V", started_at=0.0, duration_s=0.0)
     after = update_probation([behind, fresh, caught_now], no_round, {"h1": 9, "h2": 8}, round_no=3, rounds=5)
     assert after == {"h1": 9, "h2": 8, "h3": 8}
-    assert behind.note == ("on probation until round 9 (its committed work failed an audit); "
+    assert behind.note == ("on probation until round 9 (an audit or a round proved it cheated); "
                            "a:1: miner is at epoch 1, the query is for epoch 2")
-    assert fresh.note == "on probation until round 8 (its committed work failed an audit)"
+    assert fresh.note == "on probation until round 8 (an audit or a round proved it cheated)"
     assert caught_now.note == "committed page 7 failed its audit"  # the audit's own problem says it
 
 

@@ -201,7 +201,7 @@ def test_probation_after_the_audits_and_the_notes_of_those_still_on_it():
                                                                "gone": None}, round_no=5)
     assert after == {"old": 12, "cheat": 5 + PROBATION_ROUNDS}  # expired entries are dropped
     # caught now: its note is the audit's problem, not a probation note; unaudited ones are noted too
-    assert notes == {"old": "on probation until round 12 (its committed work failed an audit)"}
+    assert notes == {"old": "on probation until round 12 (an audit or a round proved it cheated)"}
     # caught again while on probation: extended, and noted by the audit instead
     after, notes = R.probation_update(after, {"old": failed}, round_no=6)
     assert after["old"] == 6 + PROBATION_ROUNDS and notes == {}

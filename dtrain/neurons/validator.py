@@ -381,7 +381,7 @@ class Validator(NeuronBase):
     def _score(self, probes: list[Probe], record, neurons, round_no: int, round_epoch: int,
                caught: list[int]) -> dict:
         """Each checked miner's verdict and score at the epoch the round ran at; the EMA
-        (``caught``: uids whose committed work failed an audit forfeit it) and the dashboard's last scores."""
+        (``caught``: uids an audit or the round's record caught forfeit it) and the dashboard's last scores."""
         from dtrain.validation.scoring import ScoringConfig, combined_scores, forfeit, score_round, update_ema
 
         scfg = ScoringConfig.from_validator(self.cfg.validator)

@@ -211,7 +211,7 @@ def probation_update(probation: Mapping[str, int], work: Mapping[str, WorkVerdic
     failed = {hotkey: (verdict is not None and not verdict.passed) or hotkey in refused
               for hotkey, verdict in work.items()}
     after = update_probation(dict(probation), failed, round_no, rounds)
-    notes = {hotkey: f"on probation until round {after[hotkey]} (its committed work failed an audit)"
+    notes = {hotkey: f"on probation until round {after[hotkey]} (an audit or a round proved it cheated)"
              for hotkey, caught in failed.items() if hotkey in after and not caught}
     return after, notes
 
