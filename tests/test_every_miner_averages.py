@@ -355,3 +355,28 @@ def test_an_unwitnessed_round_is_marked_failed_so_its_step_is_not_taken():
     assert record.ok
     rounds.vet(record)
     assert not record.ok and "not in this group" in record.error
+
+
+def test_a_miner_never_runs_the_same_round_twice_whatever_its_result():
+    # a checked miner joins from the notice and then gets the validator's query for the same
+    # round: run again after its group was gone, its matchmaking led a group at the wrong epoch
+    # that caught the next round's peers (seen in CI: the validator missed its miners' group)
+    from dtrain.api.messages import AllReduceRequest, AllReduceResponse
+    from dtrain.neurons.miner_rounds import MinerRounds
+
+    rounds = MinerRounds(miner=None)
+    query = AllReduceRequest(round_id="sandbox-1-2", epoch=1, weight_cap=64.0, deadline_s=30.0)
+    assert rounds.answered(query, epoch=1) is None  # nothing run yet
+    refused = AllReduceResponse(joined=True, epoch=1, round={"round_id": "g1", "error": ""})
+    rounds.ran(query, refused, applied=False)  # the group refused its contribution: still at epoch 1
+    assert rounds.answered(query, epoch=1) is refused
+    # the next round, at the same epoch (it failed to catch up), is a new round: run it
+    assert rounds.answered(AllReduceRequest(round_id="sandbox-1-3", epoch=1, weight_cap=64.0, deadline_s=30.0),
+                           epoch=1) is None
+    # a round it stepped on answers another validator's query for that epoch, not a later one
+    stepped = AllReduceResponse(joined=True, epoch=2, round={"round_id": "g2", "error": ""})
+    rounds.ran(AllReduceRequest(round_id="v1-2", epoch=1, weight_cap=64.0, deadline_s=30.0), stepped, applied=True)
+    other = AllReduceRequest(round_id="v2-7", epoch=1, weight_cap=64.0, deadline_s=30.0)
+    assert rounds.answered(other, epoch=2) is stepped
+    assert rounds.answered(AllReduceRequest(round_id="v2-8", epoch=2, weight_cap=64.0, deadline_s=30.0),
+                           epoch=2) is None

@@ -45,7 +45,6 @@ class Miner(NeuronBase):
         self.rounds_done = 0
         # (epoch, answer) of the last round that averaged: a second validator's query for that
         # epoch gets the same answer (see _do_round).
-        self._last_round: tuple[int, AllReduceResponse] | None = None
         self.catch_up = CatchUps(self)  # the catch-ups this miner owes (catch_up.py)
         self.rounds = MinerRounds(self)  # the rounds it joins from the DHT's notices (miner_rounds.py)
         self._refresh_now = threading.Event()  # report progress at once (after a round)
@@ -329,10 +328,9 @@ class Miner(NeuronBase):
 
     def _do_round(self, request: AllReduceRequest) -> AllReduceResponse:
         self._watch_swarm(ping=False)  # a dead averager or DHT would fail the round after its whole timeout
-        if self._last_round is not None and request.epoch == self._last_round[0] != self.epoch:
-            # Several validators query the same round (they start rounds on a shared clock and
-            # all join its group); the first query ran it, the others get its record.
-            return self._last_round[1]
+        earlier = self.rounds.answered(request, self.epoch)
+        if earlier is not None:
+            return earlier
         if request.epoch != self.epoch:
             self.catch_up.if_behind(request.epoch, None)
             return AllReduceResponse(joined=False, epoch=self.epoch, round=None,
@@ -384,8 +382,7 @@ class Miner(NeuronBase):
         self.rounds.finished()
         self.tel.round_finished(record.to_dict())
         answer = AllReduceResponse(joined=not record.error, epoch=self.epoch, round=record.to_dict())
-        if metrics is not None:
-            self._last_round = (round_epoch, answer)
+        self.rounds.ran(request, answer, applied=metrics is not None)
         return answer
 
     def _group_went_on_without_us(self, record) -> bool:

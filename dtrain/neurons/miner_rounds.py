@@ -12,14 +12,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
-from dtrain.api.messages import AllReduceRequest
+from dtrain.api.messages import AllReduceRequest, AllReduceResponse
 from dtrain.neurons.round_joining import CatchUp, RoundJoining
 from dtrain.swarm.deadlines import ALLREDUCE_AT_FRACTION, round_deadline_s
 
 log = logging.getLogger("dtrain.miner")
 
 NOTICE_POLL_S = 0.5  # how often the DHT's round notices are read
+
+
+@dataclass(frozen=True)
+class RanRound:
+    """The last round this miner ran, and what it answered."""
+
+    round_id: str
+    epoch: int
+    answer: AllReduceResponse
+    applied: bool  # its step was taken
 
 
 class MinerRounds:
@@ -30,6 +41,7 @@ class MinerRounds:
         self.joining: RoundJoining | None = None
         self._notices: list = []
         self.announcer: str | None = None  # of the notice whose round is being joined
+        self.last: RanRound | None = None
 
     def start(self, stop: threading.Event) -> None:
         """Read the notices every NOTICE_POLL_S until ``stop`` (the swarm's DHT must be up)."""
@@ -85,3 +97,19 @@ class MinerRounds:
         self.announcer = None
         if self.joining is not None:
             self.joining.attempted(time.monotonic())
+
+    def answered(self, request: AllReduceRequest, epoch: int) -> AllReduceResponse | None:
+        """Our answer of a round we already ran, to a query for it (``epoch``: ours now). The same
+        round (id and epoch) is never run twice, whatever its result: run late, its matchmaking
+        outlives the group and catches the next round's peers into a group at the wrong epoch.
+        A round we stepped on answers other validators' queries for its epoch too (they all
+        join one group on a shared clock); None: run it."""
+        last = self.last
+        if last is None or request.epoch != last.epoch:
+            return None
+        if request.round_id == last.round_id or (last.applied and epoch != last.epoch):
+            return last.answer
+        return None
+
+    def ran(self, request: AllReduceRequest, answer: AllReduceResponse, applied: bool) -> None:
+        self.last = RanRound(request.round_id, request.epoch, answer, applied)
