@@ -43,8 +43,6 @@ class Miner(NeuronBase):
         self.jobs = JobQueue()
         self.page_counter = 0  # pages of our own assignment trained this epoch
         self.rounds_done = 0
-        # (epoch, answer) of the last round that averaged: a second validator's query for that
-        # epoch gets the same answer (see _do_round).
         self.catch_up = CatchUps(self)  # the catch-ups this miner owes (catch_up.py)
         self.rounds = MinerRounds(self)  # the rounds it joins from the DHT's notices (miner_rounds.py)
         self._refresh_now = threading.Event()  # report progress at once (after a round)
