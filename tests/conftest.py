@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,6 +23,15 @@ REPO = Path(__file__).resolve().parent.parent
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "default"))
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package), for the
+    tests of their pure figures."""
+    spec = importlib.util.spec_from_file_location(f"dtrain_bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_dtrain(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 120,

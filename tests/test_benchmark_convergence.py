@@ -3,22 +3,17 @@ keys, the table and the data order every set-up shares (the training itself is t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "convergence.py"
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def conv():
-    spec = importlib.util.spec_from_file_location("dtrain_bench_convergence", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("convergence")
 
 
 def _setups(d_gap=0.01, q_gap=0.02, d_bpt=160.0, q_bpt=45.0):

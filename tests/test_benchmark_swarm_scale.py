@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "swarm_scale.py"
+from tests.conftest import REPO, load_benchmark
+
+_BENCH = REPO / "benchmarks" / "swarm_scale.py"
 
 
 @pytest.fixture(scope="module")
 def scale():
-    spec = importlib.util.spec_from_file_location("dtrain_bench_swarm_scale", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("swarm_scale")
 
 
 def test_rounds_to_tolerance_is_the_first_round_from_which_every_miner_stays_in_step(scale):

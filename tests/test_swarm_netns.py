@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce_netns.py"
-
-
 def _lab_module():
-    spec = importlib.util.spec_from_file_location("dtrain_allreduce_netns", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("allreduce_netns")
 
 
 def _usable() -> bool:
