@@ -219,10 +219,5 @@ def proven_faults(record, miners: dict, checked: set[str], audit=None) -> list[P
 def caught(probes: list[Probe], record) -> list[int]:
     """The uids whose committed work failed an audit this round, or whose contribution the
     round refused for what they published: they forfeit their EMA (docs/scoring.md)."""
-    out = []
-    for p in probes:
-        result = record.result_of(p.peer_id)
-        if (p.work is not None and not p.work.passed) or (result is not None and result.proven):
-            out.append(p.uid)
-    return out
-
+    proven = record.proven_at_fault()
+    return [p.uid for p in probes if (p.work is not None and not p.work.passed) or p.peer_id in proven]

@@ -321,7 +321,8 @@ def update_probation(probes: list[Probe], record, probation: dict[str, int], rou
     published in the gather is caught like a failed audit, checked or not; ``rounds``: how long
     a caught miner stays on it); notes the miners still on probation. The probation leads a note
     the miner already has (behind, unreachable): it is why it earns nothing for rounds, not just this one."""
-    refused = {p.hotkey for p in probes if (r := record.result_of(p.peer_id)) is not None and r.proven}
+    proven = record.proven_at_fault()
+    refused = {p.hotkey for p in probes if p.peer_id in proven}
     after, notes = round_rules.probation_update(probation, {p.hotkey: p.work for p in probes}, round_no,
                                                 rounds=rounds, refused=refused)
     for p in probes:

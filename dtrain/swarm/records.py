@@ -111,6 +111,10 @@ class RoundRecord:
     def result_of(self, peer_id: str) -> Optional[PeerResult]:
         return next((p for p in self.peers if p.peer_id == peer_id), None)
 
+    def proven_at_fault(self) -> set[str]:
+        """The members refused for what they published in the gather (``PeerResult.proven``)."""
+        return {p.peer_id for p in self.peers if p.proven}
+
     def outcome_of(self, peer_id: str) -> Optional[Outcome]:
         result = self.result_of(peer_id)
         return None if result is None else result.outcome
