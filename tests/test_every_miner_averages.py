@@ -380,3 +380,20 @@ def test_a_miner_never_runs_the_same_round_twice_whatever_its_result():
     assert rounds.answered(other, epoch=2) is stepped
     assert rounds.answered(AllReduceRequest(round_id="v2-8", epoch=2, weight_cap=64.0, deadline_s=30.0),
                            epoch=2) is None
+
+
+def test_the_audit_asks_a_restarted_miner_where_it_serves_now():
+    # restarted after the round began (seen in the chaos e2e): same hotkey and peer id, a new
+    # API port; the round audit sent to the old one read as withheld and put it on probation
+    from dtrain.neurons.validation_audit import Probe, follow_restarts
+
+    restarted = Probe.of(R.Target(uid=1, hotkey="h1", api="127.0.0.1:1000", peer_id="P1", shared_peer_id=True))
+    steady = Probe.of(R.Target(uid=2, hotkey="h2", api="127.0.0.1:2000", peer_id="P2"))
+    gone = Probe.of(R.Target(uid=3, hotkey="h3", api="127.0.0.1:3000", peer_id="P3"))
+    now = {"P1": R.Target(uid=1, hotkey="h1", api="127.0.0.1:1111", peer_id="P1"),
+           "P2": R.Target(uid=2, hotkey="h2", api="127.0.0.1:2000", peer_id="P2"),
+           "P3": R.Target(uid=9, hotkey="other", api="127.0.0.1:9999", peer_id="P3")}  # another hotkey's claim
+    follow_restarts([restarted, steady, gone], now)
+    assert restarted.api == "127.0.0.1:1111" and restarted.target.shared_peer_id  # only the address changes
+    assert steady.api == "127.0.0.1:2000"
+    assert gone.api == "127.0.0.1:3000"  # a peer id committed by another hotkey is not followed

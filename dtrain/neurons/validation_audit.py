@@ -8,6 +8,7 @@ work each miner committed (the mode's recomputation or replay) -> ``work``, ``no
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import secrets
 import time
@@ -221,3 +222,13 @@ def caught(probes: list[Probe], record) -> list[int]:
     round refused for what they published: they forfeit their EMA (docs/scoring.md)."""
     proven = record.proven_at_fault()
     return [p.uid for p in probes if (p.work is not None and not p.work.passed) or p.peer_id in proven]
+
+
+def follow_restarts(probes: list[Probe], miners: dict) -> None:
+    """Point each probe at the API its miner commits now (``miners``: peer id -> Target, read
+    after the round): a miner restarted since the round began keeps its hotkey and peer id but
+    serves at a new address, and an audit sent to the old one would read as withheld."""
+    for p in probes:
+        now = miners.get(p.peer_id)
+        if now is not None and now.hotkey == p.hotkey and now.api != p.api:
+            p.target = dataclasses.replace(p.target, api=now.api)

@@ -267,7 +267,8 @@ class Validator(NeuronBase):
 
         # The group's other miners (checked by no one or by other validators) are asked too, so
         # a part that one of them is in can still be checked; validators are not asked (they keep nothing).
-        miners = miner_targets(neurons, commitments)
+        miners = miner_targets(neurons, self._commitments() or commitments)  # where they are now
+        audits.follow_restarts(probes, miners)
         others = {peer: (t.api, t.hotkey) for peer, t in miners.items()}
         later = [Probe.of(miners[peer]) for peer in later_audits(
             [peer for peer in record.work_reports if peer in self._in_step_with], {p.peer_id for p in probes},
