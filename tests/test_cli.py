@@ -85,6 +85,22 @@ def test_sandbox_offers_every_adversary_kind():
     assert ADVERSARIES == KINDS
 
 
+def test_sandbox_offers_every_model_preset_at_a_sandbox_scale():
+    from dtrain.cli.sandbox import MODELS
+    from dtrain.sandbox.settings import SANDBOX_SCALES
+    from dtrain.training.models import PRESETS
+
+    assert MODELS == tuple(PRESETS) == tuple(SANDBOX_SCALES)
+    assert _complete("dtrain sandbox --model gpt2-1", 3) == ["gpt2-124m", "gpt2-1b"]
+
+
+def test_sandbox_rejects_an_unknown_model_by_name(clean_env):
+    result = subprocess.run([sys.executable, "-m", "dtrain", "sandbox", "--model", "gpt3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "gpt3" in result.stderr and "gpt2-124m" in result.stderr
+
+
 def test_completion_scripts_are_current():
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_completions.py"), "--check"],
                             capture_output=True, text=True, timeout=120)

@@ -23,6 +23,8 @@ ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight"
 
 # dtrain.config's allreduce.mode choices (the config module is light, but keep completion lean).
 MODES = ("gradient", "diloco")
+# dtrain.training.models.PRESETS, written out for the same reason (tests/test_cli.py checks they agree).
+MODELS = ("tiny", "gpt2-124m", "gpt2-250m", "gpt2-500m", "gpt2-1b")
 
 
 def _complete_adversary(incomplete: str) -> list[str]:
@@ -31,6 +33,10 @@ def _complete_adversary(incomplete: str) -> list[str]:
 
 def _complete_mode(incomplete: str) -> list[str]:
     return [m for m in MODES if m.startswith(incomplete)]
+
+
+def _complete_model(incomplete: str) -> list[str]:
+    return [m for m in MODELS if m.startswith(incomplete)]
 
 
 MinersOpt = Annotated[int, typer.Option("--miners", min=1, max=32, help="Honest miners to start.")]
@@ -52,6 +58,11 @@ CheckOpt = Annotated[Optional[int], typer.Option(
     "--check", min=1, max=64,
     help="Miners each validator checks per round (validator.miners_per_round; default: all). Every miner "
     "averages every round either way, so a few checked of many shows a subnet-sized swarm.")]
+ModelOpt = Annotated[str, typer.Option(
+    "--model", help="Model preset every neuron trains: tiny (the default, 0.7M parameters) or a GPT-2 size, "
+    "at a sequence length, batch and learning rate a CPU trains in seconds a step; the summary shows its "
+    "parameters and each neuron's peak memory.",
+    autocompletion=_complete_model)]
 BatchAuditOpt = Annotated[float, typer.Option(
     "--batch-audit", min=0.0, max=1.0,
     help="Chance per miner and round that a validator recomputes the miner's whole batch "
@@ -67,6 +78,7 @@ def sandbox(
     directory: DirOpt = None,
     mode: ModeOpt = "gradient",
     check: CheckOpt = None,
+    model: ModelOpt = "tiny",
     batch_audit: BatchAuditOpt = 1.0,
     json_out: JsonOpt = False,
     no_dashboard: NoDashboardOpt = False,
@@ -74,6 +86,8 @@ def sandbox(
     """Start an embedded chain, validators and miners on loopback; run rounds; print a summary."""
     if mode not in MODES:
         raise typer.BadParameter(f"expected one of {', '.join(MODES)}, found {mode!r}", param_hint="--mode")
+    if model not in MODELS:
+        raise typer.BadParameter(f"expected one of {', '.join(MODELS)}, found {model!r}", param_hint="--model")
     for kind in adversary or []:
         if kind not in ADVERSARIES:
             raise typer.BadParameter(f"expected one of {', '.join(ADVERSARIES)}, found {kind!r}",
@@ -90,7 +104,7 @@ def sandbox(
 
     box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, validators=validators,
                                  adversaries=list(adversary or []), directory=directory, mode=mode,
-                                 batch_audit=batch_audit, check=check),
+                                 batch_audit=batch_audit, check=check, model=model),
                   on_event=note)
     code, interrupted = _run(box, note, events, rounds, live=live, directory=directory)
     if interrupted:

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Callable
 
 from dtrain.config import save_config
+from dtrain.procmem import PeakMemory
 from dtrain.sandbox import layout
 from dtrain.sandbox.layout import Member
-from dtrain.sandbox.settings import NETUID, RUN_ID, SANDBOX_DILOCO_H, neuron_config, validator_names
-from dtrain.sandbox.summary import build_summary
+from dtrain.sandbox.settings import NETUID, RUN_ID, neuron_config, sandbox_scale, validator_names
+from dtrain.sandbox.summary import build_summary, memory_rows, model_parameters
 
 VALIDATOR_STAKE = 1000.0
 # How long a neuron gets to stop cleanly after SIGINT: a checkpoint, the pusher's drain and
@@ -43,8 +44,13 @@ class SandboxOptions:
     # round (its model is tiny, and four rounds leave no room for odds); production's is 0.25
     batch_audit: float = 1.0
     check: int | None = None  # validator.miners_per_round (None: every miner)
+    model: str = "tiny"  # model.preset, trained at its sandbox scale (settings.SANDBOX_SCALES)
     directory: Path | None = None
-    round_timeout_s: float = 240.0
+    round_timeout_s: float | None = None  # None: the preset's sandbox scale
+
+    @property
+    def round_timeout(self) -> float:
+        return self.round_timeout_s if self.round_timeout_s is not None else sandbox_scale(self.model).round_timeout_s
 
 
 @dataclass
@@ -88,6 +94,7 @@ class Sandbox:
         self._temp: tempfile.TemporaryDirectory | None = None
         self._stopping = threading.Event()
         self.started_at = time.time()
+        self.memory = PeakMemory()  # each neuron's process tree, for the summary's peak memory
         if options.directory is not None:
             self.root = Path(options.directory).expanduser().resolve()
         else:
@@ -122,7 +129,8 @@ class Sandbox:
             ndir = layout.neuron_dir(self.root, member.name)
             ndir.mkdir(parents=True, exist_ok=True)
             save_config(neuron_config(self.root, member, total_miners, self.options.validators, self.options.mode,
-                                      self.options.batch_audit, check=self.options.check),
+                                      self.options.batch_audit, check=self.options.check,
+                                      model=self.options.model),
                         ndir / "config.toml", overwrite=True)
         layout.store_dir(self.root).mkdir(exist_ok=True)
         layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,
@@ -130,7 +138,8 @@ class Sandbox:
                                                    "validators": self.options.validators,
                                                    "mode": self.options.mode,
                                                    "check": self.options.check or total_miners,
-                                                   "diloco_inner_steps": SANDBOX_DILOCO_H})
+                                                   "model": self.options.model,
+                                                   "diloco_inner_steps": sandbox_scale(self.options.model).diloco_h})
         self.members = members
         count = self.options.validators
         self.on_event(f"registered {count} validator{'s' if count > 1 else ''} and {total_miners} miners with "
@@ -154,6 +163,8 @@ class Sandbox:
                                        env=child_env(), cwd=str(ndir), start_new_session=True)
         child = Child(member, process, log)
         self.children.append(child)
+        self.memory.track(member.name, process.pid)
+        self.memory.start()
         return child
 
     def _wait_for_commitment(self, hotkey: str, timeout_s: float) -> bool:
@@ -218,7 +229,7 @@ class Sandbox:
         """Wait until every validator has run its rounds; return the first non-zero exit code, else 0."""
         # Validators that share the CPU (and the matchmaking window) take longer per round.
         deadline = (time.monotonic() + 120
-                    + self.options.rounds * self.options.round_timeout_s * max(1, self.options.validators))
+                    + self.options.rounds * self.options.round_timeout * max(1, self.options.validators))
         while time.monotonic() < deadline and not self._stopping.is_set():
             code = self.validators_done()
             if code is not None:
@@ -233,6 +244,7 @@ class Sandbox:
     def stop_all(self) -> None:
         """SIGINT every neuron (clean shutdown), then kill whatever is left, group and all."""
         self._stopping.set()
+        self.memory.stop()
         for child in self.children:
             if child.process.poll() is None:
                 try:
@@ -293,6 +305,8 @@ class Sandbox:
 
     def summary(self) -> dict:
         doc = build_summary(self.root, wall_s=time.time() - self.started_at)
+        doc["model"] = {"preset": self.options.model, "parameters": model_parameters(self.options.model)}
+        doc["memory"] = memory_rows(self.memory.peaks(), [m.name for m in getattr(self, "members", [])])
         doc["exit_codes"] = getattr(self, "exit_codes", {})
         doc["stop_notes"] = getattr(self, "stop_notes", {})
         return doc

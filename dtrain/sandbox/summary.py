@@ -138,3 +138,29 @@ def _validator_view(member: Member, state: dict, chain_weights: dict[int, float]
             "round_counter": state.get("round_counter"),
             "statuses": [r.get("status") for r in rounds if isinstance(r, dict)],
             "weights": {str(uid): float(w) for uid, w in sorted(chain_weights.items())}}
+
+
+def model_parameters(preset: str) -> int | None:
+    """The preset's parameter count as the sandbox's neurons build it: the shipped tokenizer's
+    vocabulary and positions for the sandbox's sequence length (None if it cannot load)."""
+    from dtrain.sandbox.settings import sandbox_scale
+    from dtrain.training.models import preset_parameter_count
+    from dtrain.training.tokenizer import load_shipped_tokenizer
+
+    try:
+        return preset_parameter_count(preset, vocab_size=load_shipped_tokenizer()[1].vocab_size,
+                                      n_positions=sandbox_scale(preset).seq_len)
+    except Exception:
+        return None
+
+
+def memory_rows(peaks: dict[str, dict], names: list[str]) -> list[dict]:
+    """A row per neuron: the peak Pss of its whole process tree and of each process in it
+    (neuron, averager, dht, p2pd...), in bytes; each is its own peak, so they need not sum to
+    the tree's."""
+    rows = []
+    for name in names:
+        peak = peaks.get(name)
+        if peak is not None:
+            rows.append({"name": name, "peak_pss": peak["pss"], "processes": dict(sorted(peak["kinds"].items()))})
+    return rows

@@ -184,13 +184,14 @@ def count_parameters(model, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def preset_parameter_count(preset: str, *, vocab_size: int = GPT2_VOCAB_SIZE) -> int:
-    """Parameter count of a preset without allocating it (meta device)."""
+def preset_parameter_count(preset: str, *, vocab_size: int = GPT2_VOCAB_SIZE, n_positions: int | None = None) -> int:
+    """Parameter count of a preset without allocating it (meta device); ``n_positions`` as the
+    neurons build it (the sequence length) when given."""
     import torch
     from transformers import GPT2LMHeadModel
 
     with torch.device("meta"):
-        model = GPT2LMHeadModel(preset_config(preset, vocab_size=vocab_size))
+        model = GPT2LMHeadModel(preset_config(preset, vocab_size=vocab_size, n_positions=n_positions))
     return count_parameters(model)
 
 

@@ -139,6 +139,31 @@ def _validators_table(doc: Mapping[str, Any]) -> RenderableType | None:
     return t
 
 
+def _memory_table(doc: Mapping[str, Any]) -> RenderableType | None:
+    """One row per neuron: the peak Pss of its process tree and of each process in it."""
+    rows = list(doc.get("memory") or [])
+    if not rows:
+        return None
+    kinds = [k for k in ("neuron", "averager", "dht", "p2pd")
+             if any(k in (r.get("processes") or {}) for r in rows)]
+    t = compact_table("Peak memory (Pss) per neuron")
+    t.add_column("neuron", no_wrap=True)
+    t.add_column("tree", justify="right", no_wrap=True)
+    for k in kinds:
+        t.add_column(k, justify="right", no_wrap=True)
+    params = (doc.get("model") or {}).get("parameters")
+    if params:
+        t.add_column("bytes/param", justify="right", no_wrap=True)
+    for r in rows:
+        procs = r.get("processes") or {}
+        cells = [str(r.get("name")), human_bytes(r.get("peak_pss")), *[human_bytes(procs.get(k)) for k in kinds]]
+        if params:
+            cells.append(f"{float(r.get('peak_pss') or 0) / params:.1f}")
+        t.add_row(*cells)
+    t.caption = "each column is its own peak; bytes/param counts the whole tree, runtime included"
+    return t
+
+
 def render_summary(doc: Mapping[str, Any], ratio: float = ADVERSARY_RATIO) -> RenderableType:
     """The whole closing summary of ``dtrain sandbox``."""
     ok, why = verdict(doc, ratio)
@@ -147,12 +172,14 @@ def render_summary(doc: Mapping[str, Any], ratio: float = ADVERSARY_RATIO) -> Re
     head = Text()
     head.append("sandbox summary", style="bold")
     head.append(f"  wall {duration(doc.get('wall_s'))}  rounds {n_ok}/{len(rounds)} succeeded")
+    model = doc.get("model") or {}
+    if model.get("preset"):
+        params = model.get("parameters")
+        head.append(f"  model {model['preset']}" + (f" ({params / 1e6:.1f}M parameters)" if params else ""))
     line = Text()
     line.append("PASS " if ok else "FAIL ", style="bold green" if ok else "bold red")
     line.append(why, style="green" if ok else "red")
     parts: list[RenderableType] = [head, _loss_panel(doc.get("loss") or {}), _rounds_table(rounds),
                                    _miners_table(list(doc.get("miners") or []), ratio)]
-    validators = _validators_table(doc)
-    if validators is not None:
-        parts.append(validators)
+    parts += [t for t in (_validators_table(doc), _memory_table(doc)) if t is not None]
     return Group(*parts, line)
