@@ -139,6 +139,52 @@ def test_per_step_contribution_is_the_mean_gradient_with_its_samples(bench_of):
     assert (progress.samples_accumulated, progress.local_batch, progress.inner_step) == (4, 4, 0)
 
 
+@pytest.mark.parametrize("mode_name", ["gradient", "diloco"])
+def test_a_contribution_computed_into_the_round_buffers_is_the_same_bits(bench_of, tmp_path, mode_name):
+    # The miner computes its contribution straight into the swarm's buffers (not held twice);
+    # it must be exactly what it computes into tensors of its own.
+    bench = bench_of(mode_name)
+    mode = bench.mode
+    mode.open_store(tmp_path)
+    mode.start_epoch(0)
+    _train(bench)
+    alone = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+    buffers = [torch.full_like(t, 7.0) for t in alone.tensors]
+    into = mode.contribution(mode.samples, weight_cap=mode.weight_cap, out=buffers)
+    assert all(a is b for a, b in zip(into.tensors, buffers))  # written in place
+    assert _equal(into.tensors, alone.tensors) and into.weight == alone.weight
+
+
+def test_the_average_is_adopted_as_the_gradient_not_copied(bench_of, tmp_path):
+    # DiLoCo's anchor holds no gradient between rounds: the averaged buffer becomes it (no copy),
+    # and the step leaves none behind. Per-step's accumulated gradient is dropped for it.
+    bench = bench_of("diloco")
+    mode = bench.mode
+    mode.open_store(tmp_path)
+    mode.start_epoch(0)
+    _train(bench)
+    average = mode.contribution(mode.samples, weight_cap=mode.weight_cap).tensors
+    seen = []
+    handle = mode.trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.extend(p.grad.data_ptr() == a.data_ptr()
+                                              for p, a in zip(mode.trainer.params, average)))
+    try:
+        assert mode.apply_average(_record(), average) is not None
+    finally:
+        handle.remove()
+    assert seen and all(seen) and all(p.grad is None for p in mode.trainer.params)
+    per_step_bench = bench_of("gradient")
+    per_step = per_step_bench.mode
+    _train(per_step_bench)
+    mean = per_step.contribution(per_step.samples, weight_cap=100.0).tensors
+    per_step.trainer.set_gradients(mean, num_samples=1, adopt=True)
+    assert all(p.grad.data_ptr() == g.data_ptr() for p, g in zip(per_step.trainer.params, mean))
+    copied = [torch.ones_like(g) for g in mean]
+    per_step.trainer.set_gradients(copied, num_samples=1)  # without adopt: copied into the one held
+    assert all(p.grad.data_ptr() == g.data_ptr() and bool((p.grad == 1).all())
+               for p, g in zip(per_step.trainer.params, mean))
+
+
 def test_per_step_apply_average_steps_and_a_failed_round_changes_nothing(bench_of):
     bench = bench_of("gradient")
     mode = bench.mode
@@ -176,6 +222,8 @@ def test_diloco_contribution_is_anchor_minus_inner_params(bench_of, tmp_path):
     assert len(pages) == H and mode.trajectory.steps_done == H and mode.samples == 4 * H and not mode.wants_data
     assert _equal(anchor, mode.trainer.params)  # inner steps never move the anchor
     c = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
+    assert all(p.numel() == 0 for p in mode.inner.params)  # a miner's inner copy waits on disk (offload.py)
+    mode.inner.resident()
     assert all(torch.equal(t, a - p.detach()) for t, a, p in zip(c.tensors, anchor, mode.inner.params))
     assert c.weight == 4.0 * H and len(c.report.steps) == H and [p.page for p in c.report.pages] == pages
     # the report commits to what is sent: the sum of the step updates is the pseudo-gradient's sketch
@@ -254,10 +302,13 @@ def test_diloco_failed_round_changes_nothing(bench_of, tmp_path):
     mode.open_store(tmp_path)
     mode.start_epoch(0)
     _train(bench)
+    assert all(p.numel() == 0 for p in mode.inner.params)  # H steps taken: idle on disk until the round
+    mode.inner.resident()
     anchor, inner = _copy(mode.trainer.params), _copy(mode.inner.params)
     c = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
     assert mode.apply_average(_record(ok=False), c.tensors) is None
     assert mode.apply_average(_record(), [t * float("inf") for t in c.tensors]) is None
+    mode.inner.resident()  # back from disk bit for bit
     assert _equal(anchor, mode.trainer.params) and _equal(inner, mode.inner.params)
     # the inner steps wait for the next round: the same contribution, the same report
     again = mode.contribution(mode.samples, weight_cap=mode.weight_cap)
@@ -354,7 +405,7 @@ def test_diloco_audit_checks_an_epoch_that_starts_from_carried_moments(bench_of,
     def other_moments(epoch, step, offset, length, timeout_s):
         data = bytearray(miner.mode.snapshot(epoch, step, 0, 1 << 30))
         if step == 0:
-            p, m, v = snapshots.decode(data, [q.shape for q in miner.mode.inner.params])
+            p, m, v = snapshots.decode(data, [q.shape for q in miner.mode.trainer.params])
             data = bytearray(snapshots.encode(p, [-x for x in m], v))
         return bytes(data[offset:offset + length])
     verdicts = [v for seed in range(8) for v in validator.mode.audit(

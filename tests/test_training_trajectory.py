@@ -231,14 +231,73 @@ def test_loading_a_snapshot_at_step_0_is_a_fresh_optimizer(model):
 
 def test_snapshot_store_is_atomic_reads_ranges_and_prunes_old_epochs(tmp_path):
     store = snapshots.SnapshotStore(tmp_path / "snaps", keep_epochs=2)
-    store.save(5, 0, b"abcdef")
-    store.save(6, 4, b"0123456789")
-    assert store.read(6, 4, 2, 3) == b"234"
-    assert not list((tmp_path / "snaps").glob("*.tmp"))
+    one = [torch.tensor([1.0, 2.0])]
+    store.save(5, 0, one, one, one)
+    p, m, v = [torch.arange(6.0).reshape(2, 3)], [torch.ones(2, 3)], [torch.full((2, 3), 2.0)]
+    store.save(6, 4, p, m, v)
+    data = snapshots.encode(p, m, v)
+    assert store.read(6, 4, 0, len(data) + 10) == data
+    assert store.read(6, 4, 4, 8) == data[4:12]
+    assert not list((tmp_path / "snaps").glob(".*tmp*"))
     store.prune(7)  # keeps epochs 6 and 7 only
     with pytest.raises(snapshots.SnapshotError, match="epoch 5"):
         store.read(5, 0, 0, 1)
-    assert store.read(6, 4, 0, 2) == b"01"
+    assert store.read(6, 4, 0, 4) == data[:4]
+
+
+def test_snapshot_is_streamed_in_the_format_decode_reads_and_a_failed_write_keeps_the_last(tmp_path):
+    # Moments not taken yet are expanded zeros (no memory); views and non-contiguous tensors
+    # are written in chunks: the bytes are the same as one float32 buffer per section.
+    torch.manual_seed(0)
+    shapes = [torch.Size([3, 5]), torch.Size([7])]
+    params = [torch.randn(5, 3).t(), torch.randn(7)]  # the first is not contiguous
+    zeros = [torch.zeros((), dtype=torch.float32).expand(s) for s in shapes]
+    second = [torch.rand(s) for s in shapes]
+    store = snapshots.SnapshotStore(tmp_path / "snaps")
+    store.save(1, 0, params, zeros, second)
+    data = bytearray(store.read(1, 0, 0, 1 << 20))
+    p, m, v = snapshots.decode(data, shapes)
+    assert all(torch.equal(a, b) for a, b in zip(p, params))
+    assert all(not bool(t.any()) for t in m) and all(torch.equal(a, b) for a, b in zip(v, second))
+    with pytest.raises(AttributeError):  # a write that fails half-way (not a tensor)
+        store.save(1, 0, params, zeros, [second[0], object()])
+    assert store.read(1, 0, 0, 1 << 20) == data  # the last good snapshot is intact
+    assert not list((tmp_path / "snaps").glob(".*tmp*"))
+
+
+def test_a_snapshot_received_in_chunks_lands_in_the_trainer_as_decode_reads_it(model):
+    # A validator receives a snapshot straight into its inner copy: chunks of any size (a value
+    # split between two), the same tensors decode gives, and decode's refusals.
+    inner = _trainer(model)
+    torch.manual_seed(3)
+    shapes = [p.shape for p in inner.params]
+    p, m, v = [torch.randn(s) for s in shapes], [torch.randn(s) for s in shapes], [torch.rand(s) for s in shapes]
+    data = snapshots.encode(p, m, v)
+    sink = snapshots.SnapshotSink(inner)
+    assert sink.size == len(data)
+    for at in range(0, len(data), 4093):  # not a multiple of 4
+        sink.write(data[at:at + 4093])
+    got = sink.finish()
+    want = snapshots.decode(bytearray(data), shapes)
+    assert all(torch.equal(a, b) for section, ref in zip(got, want) for a, b in zip(section, ref))
+    assert all(a.data_ptr() == q.data_ptr() for a, q in zip(got[0], inner.params))  # in place
+    snapshots.load_inner_state(inner, *got, 4)
+    assert inner.optimizer.state[inner.params[0]]["exp_avg"].data_ptr() == got[1][0].data_ptr()  # adopted
+
+    short = snapshots.SnapshotSink(inner)
+    short.write(data[:100])
+    with pytest.raises(snapshots.SnapshotError, match="100 bytes"):
+        short.finish()
+    with pytest.raises(snapshots.SnapshotError, match="more than"):
+        snapshots.SnapshotSink(inner).write(data + b"1234")
+    negative = snapshots.SnapshotSink(inner)
+    negative.write(snapshots.encode(p, m, [-x for x in v]))
+    with pytest.raises(snapshots.SnapshotError, match="negative"):
+        negative.finish()
+    nan = snapshots.SnapshotSink(inner)
+    nan.write(snapshots.encode([x * float("nan") for x in p], m, v))
+    with pytest.raises(snapshots.SnapshotError, match="non-finite"):
+        nan.finish()
 
 
 def test_replay_step_choice_and_shape_rules():

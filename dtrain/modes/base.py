@@ -128,10 +128,29 @@ class AuditRequest:
     sent: Any = None
 
 
+def computed_into(out, op, *columns) -> list:
+    """``op`` applied elementwise to each row of ``columns`` (lists of tensors, one per parameter):
+    into ``out`` (the swarm's float32 CPU buffers, written in place) or, without it, into new
+    CPU tensors. ``op(*tensors, out=None)`` is a torch function with ``out=``; a contribution
+    computed into the buffers is never held twice (docs/operators.md, "Memory")."""
+    import torch
+
+    results = []
+    for i, row in enumerate(zip(*columns)):
+        row = [t.detach() for t in row]
+        dst = out[i] if out is not None else None
+        if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in row):
+            results.append(op(*row, out=dst) if dst is not None else op(*row))
+            continue
+        value = op(*(t.float() for t in row)).cpu()  # on the accelerator, then one copy to the host
+        results.append(dst.copy_(value) if dst is not None else value)
+    return results
+
+
 class NoSnapshots:
     """The snapshot store of a neuron that keeps none (per-step mode, a validator)."""
 
-    def save(self, epoch: int, step: int, data: bytes) -> None:
+    def save(self, epoch: int, step: int, params, exp_avg, exp_avg_sq) -> None:
         pass
 
     def read(self, epoch: int, step: int, offset: int, length: int) -> bytes:
@@ -183,9 +202,10 @@ class Mode(ABC):
     # ---------------------------------------------------------------- what it contributes
 
     @abstractmethod
-    def contribution(self, samples: int, weight_cap: float) -> Contribution:
+    def contribution(self, samples: int, weight_cap: float, out=None) -> Contribution:
         """The tensors, weight and work report for a round. An honest miner claims no more than
-        ``weight_cap`` (more would read as inflation) nor more than its report commits to."""
+        ``weight_cap`` (more would read as inflation) nor more than its report commits to.
+        ``out``: the swarm's round buffers to compute the tensors into (computed_into)."""
 
     # ---------------------------------------------------------------- after a round
 
@@ -201,7 +221,9 @@ class Mode(ABC):
         if not record.ok or not all(bool(torch.isfinite(t).all()) for t in averaged):
             return None
         params = self.trainer.params
-        self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(averaged, params)], num_samples=1)
+        # adopt: the average becomes the gradient itself, not a copy beside the one held
+        self.trainer.set_gradients([t.to(p.device, p.dtype) for t, p in zip(averaged, params)], num_samples=1,
+                                   adopt=True)
         return self.trainer.step()
 
     # ---------------------------------------------------------------- what a validator audits

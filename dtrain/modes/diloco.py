@@ -58,6 +58,7 @@ class DiLoCo(Mode):
         # a validator's memory: uid -> {epoch: carry} of the trajectories it audited in the last two
         # epochs, what the miner's next epoch may start from (verification.start_moments_problem)
         self._carries: dict[int, dict] = {}
+        self._offload_dir: str | None = None  # where a miner's idle state goes (open_store)
 
     # ---------------------------------------------------------------- training
 
@@ -71,6 +72,8 @@ class DiLoCo(Mode):
         first epoch, a resume, a catch-up, a round that did not move us on by one epoch, a step
         taken after the commitment) starts from fresh moments, which need no history.
         """
+        # the outer momentum is idle until the next round's step, and out before the inner copy is in
+        self._offload(self.trainer, parameters=False)
         committed = self._committed_end
         keep = committed == (epoch - 1, self.trajectory.steps_done) and self.trajectory.epoch == epoch - 1
         t0 = self.trajectory.t0 + self.trajectory.steps_done if keep else 0
@@ -93,6 +96,7 @@ class DiLoCo(Mode):
 
         H = self.settings.inner_steps
         inner = self.inner
+        self._offload(self.trainer, parameters=False)  # (again, if a checkpoint or a peer's download took it back)
         results = inner.accumulate(tokens)
         self._step_pages.append((counter, page))
         metrics = None
@@ -108,6 +112,8 @@ class DiLoCo(Mode):
             self._step_pages = []
             if self.trajectory.snapshot_due() and self.trajectory.steps_done < H:
                 self._keep_snapshot()
+            if self.trajectory.steps_done >= H:
+                self._offload(inner, parameters=True)  # idle until the round's contribution
         loss = metrics.loss if metrics is not None else sum(r.loss for r in results) / len(results)
         return PageTrained(loss=loss, samples=sum(r.samples for r in results), step=metrics)
 
@@ -127,17 +133,20 @@ class DiLoCo(Mode):
         from dtrain.training import snapshots
 
         params, exp_avg, exp_avg_sq = snapshots.inner_state(self.inner)
-        self.store.save(self.trajectory.epoch, self.trajectory.steps_done,
-                        snapshots.encode(params, exp_avg, exp_avg_sq))
+        self.store.save(self.trajectory.epoch, self.trajectory.steps_done, params, exp_avg, exp_avg_sq)
         self.trajectory.record_snapshot(exp_avg, exp_avg_sq)
 
     # ---------------------------------------------------------------- contribution
 
-    def contribution(self, samples: int, weight_cap: float) -> Contribution:
+    def contribution(self, samples: int, weight_cap: float, out=None) -> Contribution:
         # The pseudo-gradient: anchor - parameters after the inner steps (the sign of a gradient).
+        import torch
+
+        from dtrain.modes.base import computed_into
         from dtrain.training import snapshots
 
-        pseudo = [(a.detach().float() - p.detach().float()).cpu() for a, p in zip(self.trainer.params, self.inner.params)]
+        self.inner.resident()
+        pseudo = computed_into(out, torch.sub, self.trainer.params, self.inner.params)
         traj = self.trajectory
         carry = None
         if traj.steps_done:
@@ -146,7 +155,13 @@ class DiLoCo(Mode):
             carry = traj.carry(exp_avg, exp_avg_sq)
             self._committed_end = (traj.epoch, traj.steps_done)
         report = traj.report(carry)
+        self._offload(self.inner, parameters=True)  # idle while the round averages
         return Contribution(pseudo, float(min(samples, report.samples, weight_cap)), report)
+
+    def _offload(self, trainer, *, parameters: bool) -> None:
+        """A miner's idle state goes to disk (open_store named where); a validator keeps all."""
+        if self._offload_dir is not None:
+            trainer.offload(self._offload_dir, parameters=parameters)
 
     # ---------------------------------------------------------------- validating
 
@@ -239,6 +254,8 @@ class DiLoCo(Mode):
         problem, params = self._load_snapshot(req, epoch=epoch, first=first, nonce=nonce)
         if problem:
             return problem, [], first, None
+        if segment is not None:  # a whole replay's start is compared after it: kept aside
+            params = [p.clone() for p in params]
         s = self.settings
         replayed = replay_steps(self.inner, report.steps[first:target], first_step=first, epoch=epoch,
                                 inner_steps=s.inner_steps, read_page=lambda page: self.reader.read_pages([page]),
@@ -256,8 +273,7 @@ class DiLoCo(Mode):
         report, inner = req.report, self.inner
         commit = report.snapshot_at(first)
         try:
-            data = self._download_snapshot(req, epoch, first)
-            params, exp_avg, exp_avg_sq = snapshots.decode(data, [p.shape for p in inner.params])
+            params, exp_avg, exp_avg_sq = self._download_snapshot(req, epoch, first)
         except snapshots.SnapshotError as exc:
             # A miner that cannot serve what it committed is treated as having made it up: one
             # that could choose when to fail would dodge exactly the audits it fears.
@@ -296,25 +312,28 @@ class DiLoCo(Mode):
                         "produce")
         return ""
 
-    def _download_snapshot(self, req: AuditRequest, epoch: int, step: int) -> bytearray:
-        """The snapshot's bytes, chunk by chunk within the time budget (TimeoutError past it)."""
+    def _download_snapshot(self, req: AuditRequest, epoch: int, step: int):
+        """The snapshot received into the inner copy (snapshots.SnapshotSink), chunk by chunk
+        within the time budget (TimeoutError past it): its (params, exp_avg, exp_avg_sq)."""
         from dtrain.training import snapshots
 
         if req.read_snapshot is None:
             raise snapshots.SnapshotError("no way to ask this miner for it")
-        size = snapshots.snapshot_nbytes(self.inner.params)
-        budget = SNAPSHOT_FIXED_S + size / SNAPSHOT_MIN_RATE
+        sink = snapshots.SnapshotSink(self.inner)
+        budget = SNAPSHOT_FIXED_S + sink.size / SNAPSHOT_MIN_RATE
         deadline = time.monotonic() + budget
-        data = bytearray()
-        while len(data) < size:
+        while sink.received < sink.size:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"not served within {budget:.0f} s")
-            chunk = req.read_snapshot(epoch, step, len(data), min(SNAPSHOT_CHUNK, size - len(data)), min(120.0, left))
+            asked = min(SNAPSHOT_CHUNK, sink.size - sink.received)
+            chunk = req.read_snapshot(epoch, step, sink.received, asked, min(120.0, left))
             if not chunk:
                 break
-            data += chunk
-        return data
+            if len(chunk) > asked:
+                raise snapshots.SnapshotError(f"{len(chunk)} bytes served for {asked} asked")
+            sink.write(chunk)
+        return sink.finish()
 
     # ---------------------------------------------------------------- snapshots
 
@@ -322,6 +341,7 @@ class DiLoCo(Mode):
         from dtrain.training.snapshots import SnapshotStore
 
         self.store = SnapshotStore(root)
+        self._offload_dir = str(Path(root) / "offload")  # a miner: idle state goes to disk
 
 
 def _moments_differ(committed, exp_avg, exp_avg_sq, rtol: float, nonce: str) -> bool:

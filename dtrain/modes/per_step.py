@@ -67,9 +67,14 @@ class PerStep(Mode):
 
     # ---------------------------------------------------------------- contribution
 
-    def contribution(self, samples: int, weight_cap: float) -> Contribution:
+    def contribution(self, samples: int, weight_cap: float, out=None) -> Contribution:
         # Peers exchange *mean* gradients weighted by sample counts; the trainer keeps sums.
-        mean = [g.detach().float().div(max(samples, 1)).cpu().clone() for g in self.trainer.gradients()]
+        import torch
+
+        from dtrain.modes.base import computed_into
+
+        n = max(samples, 1)
+        mean = computed_into(out, lambda g, out=None: torch.div(g, n, out=out), self.trainer.gradients())
         report = self.work.report()
         return Contribution(mean, float(min(samples, report.samples, weight_cap)), report)
 

@@ -97,16 +97,16 @@ class _AlteredContribution(AdversarialMiner):
                                      reason="nothing trained this epoch to alter")
         return super()._do_round(request)
 
-    def _contribution(self, samples, weight_cap):
-        honest = super()._contribution(samples, weight_cap)
+    def _contribution(self, samples, weight_cap, out=None):
+        honest = super()._contribution(samples, weight_cap)  # its own tensors: alter() may replace them
         return dataclasses.replace(honest, tensors=self.alter(honest.tensors))
 
 
 class InflatedWeight(AdversarialMiner):
     kind = "inflated-weight"
 
-    def _contribution(self, samples, weight_cap):
-        return dataclasses.replace(super()._contribution(samples, weight_cap), weight=INFLATED_WEIGHT)
+    def _contribution(self, samples, weight_cap, out=None):
+        return dataclasses.replace(super()._contribution(samples, weight_cap, out=out), weight=INFLATED_WEIGHT)
 
 
 class Poisoner(_AlteredContribution):
@@ -223,12 +223,12 @@ class _SandbaggingPerStep(PerStep):
     def wants_data(self) -> bool:
         return self.trainer.accumulated_samples < self.settings.page_sequences and super().wants_data
 
-    def contribution(self, samples, weight_cap):
+    def contribution(self, samples, weight_cap, out=None):
         from dtrain.modes import Contribution
         from dtrain.training.data import assign_pages
         from dtrain.training.work import PageWork, WorkReport
 
-        honest = super().contribution(samples, weight_cap)
+        honest = super().contribution(samples, weight_cap, out=out)
         real = honest.report
         per_page = self.settings.page_sequences
         count = max(1, self.settings.local_batch_size // per_page)
@@ -256,12 +256,12 @@ class _SandbaggingDiLoCo(DiLoCo):
     def wants_data(self) -> bool:
         return self.trajectory.steps_done < 1 and super().wants_data
 
-    def contribution(self, samples, weight_cap):
+    def contribution(self, samples, weight_cap, out=None):
         from dtrain.modes import Contribution
         from dtrain.training.data import assign_pages
         from dtrain.training.trajectory import InnerStepWork, SnapshotCommit, TrajectoryReport
 
-        honest = super().contribution(samples, weight_cap)
+        honest = super().contribution(samples, weight_cap, out=out)
         real = honest.report
         if not real.steps:
             return dataclasses.replace(honest, weight=0.0)

@@ -174,14 +174,16 @@ class Miner(NeuronBase):
             self.jobs.run_pending()
             if self._post_round:
                 # After the validator has its answer: disk work never delays a round's reply.
+                # The checkpoint and the push read only the shared replica: before the epoch's
+                # local state is back in memory (docs/operators.md, "Memory per parameter").
                 self._post_round = False
+                if self.epoch % self.cfg.miner.checkpoint_every == 0:
+                    self._checkpoint()
+                self._push()
                 # The round moved the shared replica: local training restarts from it. Always,
                 # even with a catch-up pending below: that catch-up may fail, and DiLoCo's inner
                 # copy must never go on from an anchor the swarm has left.
                 self._start_epoch()
-                if self.epoch % self.cfg.miner.checkpoint_every == 0:
-                    self._checkpoint()
-                self._push()
                 self._refresh_now.set()  # validators expect the miners whose progress shows our epoch
             if self.catch_up.due():
                 self.catch_up.run_pending()
@@ -240,9 +242,10 @@ class Miner(NeuronBase):
     def _joins_rounds(self) -> bool:
         return True
 
-    def _contribution(self, samples: int, weight_cap: float):
-        """The mode's Contribution (tensors, weight, work report) this miner puts into a round."""
-        return self.bench.mode.contribution(samples, weight_cap)
+    def _contribution(self, samples: int, weight_cap: float, out=None):
+        """The mode's Contribution (tensors, weight, work report) this miner puts into a round,
+        computed into ``out`` (the swarm's round buffers) when given."""
+        return self.bench.mode.contribution(samples, weight_cap, out=out)
 
     def _samples_this_epoch(self) -> int:
         """Samples this miner's contribution to the next round stands for."""
@@ -338,7 +341,7 @@ class Miner(NeuronBase):
         round_epoch = self.epoch
         samples = self._samples_this_epoch()
         with self.model_lock:
-            contribution = self._contribution(samples, request.weight_cap)
+            contribution = self.swarm.into_buffers(lambda out: self._contribution(samples, request.weight_cap, out=out))
         mean, weight, report = contribution.tensors, contribution.weight, contribution.report
         # With per-peer caps, a peer the validator did not list (it did not verify it) gets none.
         peer_caps = request.weight_caps or {}
@@ -353,6 +356,7 @@ class Miner(NeuronBase):
                                       work=report, work_nonce=work_nonce(self.bench.run_id, self.epoch))
         self.rounds.vet(record)
         metrics = self._apply_round(record, mean)
+        self.swarm.release_buffers()  # the average is applied (or not ours to): 4 bytes/param back
         if metrics is None and self._group_went_on_without_us(record):
             # The others took this round's step: we are a round behind from now on, and the
             # next validator's Train query would find us at the old epoch. Catch up now, not

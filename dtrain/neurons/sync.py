@@ -18,6 +18,7 @@ SGD_MOMENTS = ("momentum_buffer", None)
 
 
 def export_state(trainer, epoch: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    trainer.resident()  # an offloaded outer momentum comes back first (dtrain.training.offload)
     tensors: list[torch.Tensor] = []
     opt_step = 0.0
     keys = SGD_MOMENTS if isinstance(trainer.optimizer, torch.optim.SGD) else MOMENTS

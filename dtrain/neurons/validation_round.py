@@ -304,13 +304,19 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
         # in the background: a DHT store can take seconds on a busy node, and the group must not
         # form among the miners before we are in matchmaking
         pool.submit(announce)
-        tensors = [z.clone() for z in zeros]
+        tensors = _zeroed_buffers(swarm, zeros)
         record = swarm.run_round(tensors, weight=0.0, cap=0.0, expected_peers=sorted(expected),
                                  timeout_s=request.deadline_s, peer_caps=request.weight_caps, stop=stop, work=work,
                                  work_nonce=work_nonce)
         for f in futures:
             f.result()
     return record, tensors
+
+
+def _zeroed_buffers(swarm, zeros: list) -> list:
+    """Our weight-0 contribution: the swarm's round buffers set to zeros (no copy of the model
+    held beside them), or copies of ``zeros`` when the buffers cannot be had (run_round says why)."""
+    return swarm.into_buffers(lambda out: [z.clone() for z in zeros] if out is None else [b.zero_() for b in out])
 
 
 # ------------------------------------------------------------------ after the all-reduce

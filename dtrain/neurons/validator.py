@@ -80,7 +80,7 @@ class Validator(NeuronBase):
         try:
             self._start_swarm(self._commitments())
             self._swarm_started()
-            self.zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.trainer.params]
+            self.zeros = [torch.zeros(()).expand(p.shape) for p in self.trainer.params]  # expanded: no memory
             self._serve_metrics()
             self.tel.update(state="validating")
             self._restore_dashboard()
@@ -371,7 +371,9 @@ class Validator(NeuronBase):
 
     def _take_step(self, record, averaged) -> None:
         # Joining with weight 0, this replica receives the same average and takes the same step.
-        if self._apply_round(record, averaged) is not None:
+        applied = self._apply_round(record, averaged)
+        self.swarm.release_buffers()  # the average is applied (or not ours to): 4 bytes/param back
+        if applied is not None:
             self._in_step = record.in_step
             self._save_checkpoint(uid=0)
             if not record.in_step:

@@ -8,6 +8,7 @@ weights peers by the samples they processed. docs/training.md ("Trainer") has th
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -15,11 +16,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dtrain.procmem import trim_heap
 from dtrain.sketch import DEFAULT_K, gradient_sketch
 from dtrain.training.errors import TrainerStateError
 from dtrain.training.fingerprint import Fingerprint
 from dtrain.training.optimizers import OPTIMIZERS, build_optimizer, lr_factor
 from dtrain.training.precision import PRECISIONS, autocast_context, resolve_precision
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,6 +138,7 @@ class Trainer:
         self._acc_loss_sum = 0.0
         self._acc_microbatches = 0
         self._t_start: float | None = None
+        self._offloaded = None  # a dtrain.training.offload.Offload while state is on disk
 
     # ------------------------------------------------------------------ accumulate
     @property
@@ -161,6 +166,7 @@ class Trainer:
         With ``fingerprint_nonce`` each micro-batch also gets a gradient Fingerprint
         (computed as the validator will: ``microbatch_gradients`` then the sketch).
         """
+        self.resident()
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         if self._t_start is None:
@@ -211,6 +217,7 @@ class Trainer:
         """Forget the optimizer's moments and step counts (a fresh start, as at construction):
         DiLoCo's inner loop when it cannot carry its moments over (docs/protocol.md, "Carried
         moments"), and a validator's replay from a snapshot of fresh moments."""
+        self.resident()
         from collections import defaultdict
 
         self.optimizer.state = defaultdict(dict)
@@ -223,8 +230,10 @@ class Trainer:
         for group, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * fn(sched.last_epoch)
 
-    def load_moments(self, moments: Sequence[Sequence[torch.Tensor]] | None, opt_step: float) -> None:
-        """Give the optimizer these moments, per parameter in order (None: fresh, no state).
+    def load_moments(self, moments: Sequence[Sequence[torch.Tensor]] | None, opt_step: float, *,
+                     copy: bool = True) -> None:
+        """Give the optimizer these moments, per parameter in order (None: fresh, no state);
+        ``copy=False``: float32 moments become the optimizer's own (the caller gives them up).
 
         AdamW takes ``(exp_avg, exp_avg_sq)`` per parameter; SGD (DiLoCo's outer optimizer)
         takes its momentum buffer from the first. Goes through ``optimizer.load_state_dict``
@@ -232,25 +241,56 @@ class Trainer:
         this optimizer expects it: fused AdamW (the default on CUDA) needs ``step`` on the
         parameters' device.
         """
+        self.resident()
         optimizer = self.optimizer
         index = {id(p): i for i, p in enumerate(q for group in optimizer.param_groups for q in group["params"])}
         state: dict[int, dict[str, torch.Tensor]] = {}
         sgd = isinstance(optimizer, torch.optim.SGD)
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(torch.float32)
+            return t.clone() if copy else t
+
         for p, block in zip(self.params, moments or ()):
             if sgd:
-                state[index[id(p)]] = {"momentum_buffer": block[0].to(torch.float32).clone()}
+                state[index[id(p)]] = {"momentum_buffer": own(block[0])}
             else:
                 state[index[id(p)]] = {"step": torch.tensor(float(opt_step), dtype=torch.float32),
-                                       "exp_avg": block[0].to(torch.float32).clone(),
-                                       "exp_avg_sq": block[1].to(torch.float32).clone()}
+                                       "exp_avg": own(block[0]), "exp_avg_sq": own(block[1])}
         current = optimizer.state_dict()
         optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
     @torch.no_grad()
     def copy_parameters_from(self, params: Sequence[torch.Tensor]) -> None:
         """Overwrite this replica's parameters (same order and shapes) with ``params``."""
+        self.resident()
         for p, src in zip(self.params, params, strict=True):
             p.copy_(src.to(p.device, p.dtype))
+
+    # ------------------------------------------------------------- offloading
+    def offload(self, directory: str, *, parameters: bool) -> int:
+        """Move the optimizer state (with ``parameters``, the parameters too) to disk under
+        ``directory`` until a method here needs them (each calls :meth:`resident` first); returns
+        the bytes moved, 0 when already out. dtrain.training.offload says why and when."""
+        from dtrain.training.offload import Offload
+
+        if self._offloaded is not None:
+            return 0
+        moments = [t for state in self.optimizer.state.values() for t in state.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0]  # not AdamW's step counters
+        try:
+            self._offloaded = Offload(directory, (list(self.params) if parameters else []) + moments)
+        except OSError as exc:  # a full disk: the state stays in memory, as it was
+            log.warning("training state kept in memory, not offloaded to %s: %r", directory, exc)
+            return 0
+        trim_heap()  # tensors of a few MiB were freed to the heap: give their pages back
+        return self._offloaded.nbytes
+
+    def resident(self) -> None:
+        """Bring back what :meth:`offload` moved out (nothing to do when nothing is out)."""
+        offloaded, self._offloaded = self._offloaded, None
+        if offloaded is not None:
+            offloaded.restore()
 
     # ------------------------------------------------------------- gradient access
     def gradients(self) -> list[torch.Tensor]:
@@ -258,17 +298,21 @@ class Trainer:
 
         They hold the sample-summed gradient of ``accumulated_samples`` samples.
         """
+        self.resident()
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]
 
-    def set_gradients(self, grads: Sequence[torch.Tensor], *, num_samples: int) -> None:
+    def set_gradients(self, grads: Sequence[torch.Tensor], *, num_samples: int, adopt: bool = False) -> None:
         """Replace the accumulated gradients (e.g. by the swarm's average).
 
         ``grads`` follow the same convention: summed over ``num_samples`` samples;
-        pass an already-averaged gradient with ``num_samples=1``.
+        pass an already-averaged gradient with ``num_samples=1``. With ``adopt``, ``g`` itself
+        becomes the gradient when it fits (same device and dtype), instead of a copy into the one
+        held (which is dropped): the caller gives ``g`` up, and :meth:`step` scales it in place.
         """
+        self.resident()
         if len(grads) != len(self.params):
             raise ValueError(f"expected {len(self.params)} gradient tensors, got {len(grads)}")
         if num_samples < 1:
@@ -276,6 +320,9 @@ class Trainer:
         for p, g in zip(self.params, grads):
             if g.shape != p.shape:
                 raise ValueError(f"gradient shape {tuple(g.shape)} does not match parameter {tuple(p.shape)}")
+            if adopt and g.device == p.device and g.dtype == p.dtype and g.is_contiguous():
+                p.grad = g.detach()
+                continue
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(g)
@@ -297,6 +344,7 @@ class Trainer:
 
     def step(self) -> StepMetrics:
         """Average the accumulated gradients per sample, clip, apply optimizer and schedule."""
+        self.resident()
         if self._acc_samples <= 0:
             raise TrainerStateError("step() called with no accumulated samples; call accumulate() or set_gradients() first")
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -333,10 +381,12 @@ class Trainer:
     # ------------------------------------------------------------ flat parameters
     def flat_parameters(self) -> torch.Tensor:
         """A detached 1-D copy of all trainable parameters (stable order)."""
+        self.resident()
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     @torch.no_grad()
     def set_flat_parameters(self, flat: torch.Tensor) -> None:
+        self.resident()
         total = sum(p.numel() for p in self.params)
         if flat.dim() != 1 or flat.numel() != total:
             raise ValueError(f"flat parameters must be 1-D with {total} elements, got {tuple(flat.shape)}")
@@ -348,6 +398,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        self.resident()
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -357,6 +408,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resident()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

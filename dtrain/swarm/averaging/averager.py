@@ -42,12 +42,14 @@ class SwarmAverager:
     """The round handler of a GradientSwarm (the wall's ``RoundHandler``).
 
     ``report_type``: the swarm's work report class (parses the group's commitments);
-    ``compression``: the wire codec's setting; ``state_provider`` returns ``(metadata, tensors)``
+    ``compression``: the wire codec's setting; ``kept_dir``: where what we sent is kept;
+    ``state_provider`` returns ``(metadata, tensors)``
     for peers catching up (None: the averaged tensors); ``mechanisms``: the classes a round is built from."""
 
     def __init__(self, *, report_type=None, compression: str = "none", state_provider=None,
-                 mechanisms: Mechanisms = Mechanisms()):
+                 mechanisms: Mechanisms = Mechanisms(), kept_dir: Optional[str] = None):
         self.report_type, self.compression = report_type, compression
+        self.kept_dir = kept_dir  # what we sent is kept on disk there (kept.KeptFile); None: in memory
         self.mechanisms = mechanisms
         self._state_provider = state_provider
         self._assembly = EarlyAssembly()
@@ -136,9 +138,9 @@ class SwarmAverager:
         self.sent = None
         if plan.rules.commitments is None or not plan.rules.committed[plan.me]:
             return
-        self.sent = self.mechanisms.kept([t.detach().clone() for t in tensors], plan.layout, plan.compression,
-                                     round_id=plan.round_id, group_id=plan.group_id,
-                                     members=frozenset(plan.rules.peer_ids))
+        self.sent = self.mechanisms.kept.keep(tensors, plan.layout, plan.compression, directory=self.kept_dir,
+                                              round_id=plan.round_id, group_id=plan.group_id,
+                                              members=frozenset(plan.rules.peer_ids))
 
     async def answer_member(self, group_id: bytes, payload: bytes, asker: str) -> Optional[bytes]:
         sent = self.sent

@@ -111,12 +111,18 @@ def compute_claims(tensors: Sequence[torch.Tensor], layout: PartLayout, nonce: s
                    k: int = WORK_SKETCH_K, parts: Optional[Sequence[int]] = None) -> np.ndarray:
     """Per-part range sketches of ``tensors`` as they will arrive: float32 [num_parts, k]
     (with ``parts``, of those parts only, in that order: [len(parts), k])."""
+    return claims_of(lambda i, start, length: tensors[i].detach().reshape(-1)[start:start + length], layout, nonce,
+                     compression, k, parts)
+
+
+def claims_of(piece_of, layout: PartLayout, nonce: str, compression, k: int = WORK_SKETCH_K,
+              parts: Optional[Sequence[int]] = None) -> np.ndarray:
+    """compute_claims with each part's values read by ``piece_of(tensor index, start, length)``."""
     wanted = range(len(layout)) if parts is None else parts
     out = np.zeros((len(wanted), k), dtype="<f4")
     for row, g in enumerate(wanted):
         i, start, length = layout.parts[g]
-        piece = tensors[i].detach().reshape(-1)[start:start + length]
-        out[row] = range_sketch(as_received(piece, compression), i, start, nonce, k=k).numpy()
+        out[row] = range_sketch(as_received(piece_of(i, start, length), compression), i, start, nonce, k=k).numpy()
     return out
 
 

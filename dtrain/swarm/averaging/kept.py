@@ -11,7 +11,10 @@ very bytes that went on the wire. Question and answer formats: docs/protocol.md,
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -19,8 +22,10 @@ import numpy as np
 import torch
 
 from dtrain.sketch import WORK_SKETCH_K
-from dtrain.swarm.averaging.contribution import PartLayout, compute_claims
+from dtrain.swarm.averaging.contribution import PartLayout, claims_of
 from dtrain.swarm.wire import wire_form
+
+logger = logging.getLogger(__name__)
 
 SEED_BYTES = 32
 # Parts per question: an answer of 8192 sketches is 2 MiB, within p2pd's 4 MiB message.
@@ -45,9 +50,35 @@ class CallerQuestion:
     part: Optional[int] = None
 
 
+class KeptFile:
+    """Float32 tensors in an unlinked file under ``directory``, read back a range at a time: what
+    a peer sent stays on disk (the page cache), not in the averager's memory, between the round
+    and the next one (4 bytes per parameter; docs/operators.md, "Memory")."""
+
+    def __init__(self, directory: str, tensors: Sequence[torch.Tensor]):
+        os.makedirs(directory, exist_ok=True)
+        self._file = tempfile.TemporaryFile(dir=directory)  # gone with the object, or the process
+        self.offsets: list[int] = []
+        at = 0
+        for t in tensors:
+            self.offsets.append(at)
+            flat = t.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+            self._file.write(memoryview(flat.numpy()).cast("B"))
+            at += 4 * flat.numel()
+        self._file.flush()
+
+    def read(self, i: int, start: int, length: int) -> torch.Tensor:
+        """Values ``start:start + length`` of tensor ``i`` (pread: safe from several threads)."""
+        data = os.pread(self._file.fileno(), 4 * length, self.offsets[i] + 4 * start)
+        if len(data) != 4 * length:
+            raise OSError(f"kept contribution file ends early ({len(data)} of {4 * length} bytes)")
+        return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+
 @dataclass(eq=False)
 class SentContribution:
-    """What this peer sent in one round: its float32 tensors on CPU, their parts and wire codec."""
+    """What this peer sent in one round: its float32 tensors on CPU (or ``file``, the same on
+    disk: :meth:`keep`), their parts and wire codec."""
 
     tensors: list[torch.Tensor]
     layout: PartLayout
@@ -55,17 +86,35 @@ class SentContribution:
     round_id: str = ""  # the group id, hex
     group_id: bytes = b""
     members: frozenset = frozenset()  # who may ask
+    file: Optional[KeptFile] = None
     _by_seed: dict = field(default_factory=dict, repr=False)  # result seed -> future of its sketches
     _served: dict = field(default_factory=dict, repr=False)  # member -> parts whose bytes it was sent
 
+    @classmethod
+    def keep(cls, tensors: Sequence[torch.Tensor], layout: PartLayout, compression, *,
+             directory: Optional[str] = None, **round_facts) -> "SentContribution":
+        """A copy of ``tensors`` (about to be averaged in place): in a file under ``directory``,
+        or in memory without one or when the file cannot be written (a full disk is logged)."""
+        if directory is not None:
+            try:
+                return cls([], layout, compression, file=KeptFile(directory, tensors), **round_facts)
+            except OSError as exc:
+                logger.warning("swarm: kept this round's contribution in memory (%s: %r)", directory, exc)
+        return cls([t.detach().clone() for t in tensors], layout, compression, **round_facts)
+
+    def piece(self, i: int, start: int, length: int) -> torch.Tensor:
+        """Values ``start:start + length`` of sent tensor ``i``."""
+        if self.file is not None:
+            return self.file.read(i, start, length)
+        return self.tensors[i].reshape(-1)[start:start + length]
+
     def sketches(self, nonce: str, k: int = WORK_SKETCH_K) -> np.ndarray:
         """float32 [num_parts, k]: each part's sketch under ``nonce``, as a receiver decodes it."""
-        return compute_claims(self.tensors, self.layout, nonce, self.compression, k)
+        return claims_of(self.piece, self.layout, nonce, self.compression, k)
 
     def wire(self, part: int) -> bytes:
         """The wire bytes of part ``part`` (IndexError when there is no such part)."""
-        i, start, length = self.layout.parts[part]
-        return wire_form(self.tensors[i].reshape(-1)[start:start + length], self.compression)[0]
+        return wire_form(self.piece(*self.layout.parts[part]), self.compression)[0]
 
     def wires(self, parts: Sequence[int]):
         """An awaitable of the wire bytes of ``parts`` (serialised off the event loop)."""

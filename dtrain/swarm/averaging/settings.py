@@ -9,6 +9,7 @@ required, groups of up to 32). Knobs the schema does not expose keep the library
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -81,6 +82,9 @@ class AveragingConfig:
     allow_state_sharing: bool = True
     declare_state_period_s: float = 30.0
     log_path: Optional[str] = None  # JSON lines of RoundRecords
+    # Where the averager keeps what it sent for the round's questions (an unlinked file, read
+    # back part by part); None: in memory. Neurons keep it on disk (docs/operators.md, "Memory").
+    kept_dir: Optional[str] = None
     # A contribution whose announced L2 norm exceeds this many times the median norm of the
     # weighted peers is refused (a scaled/noisy "poisoned" gradient); 0 disables the check.
     max_norm_ratio: float = 10.0
@@ -128,6 +132,7 @@ def settings_from(cfg: "Config", log_path: "Optional[Path | str]" = None) -> Ave
         allreduce_timeout_s=a.allreduce_timeout,
         compression=a.compression,
         log_path=str(log_path) if log_path else None,
+        kept_dir=os.path.join(os.path.dirname(str(log_path)), "kept") if log_path else None,
         # neurons always bind contributions to work (docs/protocol.md, "Work commitments")
         require_commitments=True,
         aggregation=a.aggregation,

@@ -9,6 +9,8 @@ peer sent in its last committed round stays in the averager process; ``sent_sket
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import threading
 import time
@@ -74,9 +76,10 @@ class GradientSwarm:
         self._bench = BenchList()  # reducers we name as refused (in memory: a restart forgets)
         self.sent_round: Optional[str] = None  # the round id of our last committed round
         handler = SwarmAverager(report_type=report_type, compression=config.compression,
-                                state_provider=state_provider, mechanisms=mechanisms)
+                                state_provider=state_provider, mechanisms=mechanisms, kept_dir=config.kept_dir)
         self._averager = wall.AveragerProcess(self._buffers, dht, handler=handler, start=True,
                                               matchmaking_key=matchmaking_key(config.prefix), **self._averager_kwargs())
+        self.release_buffers()  # zeros until the first contribution: no memory needed for them
 
     def _averager_kwargs(self) -> dict:
         cfg = self.config
@@ -99,6 +102,35 @@ class GradientSwarm:
         step = self._step
         return self._last_stage if step is None else step.stage.name
 
+    @contextlib.contextmanager
+    def round_buffers(self):
+        """The averager's shared buffers, locked, for the caller to write its contribution into
+        and pass to :meth:`run_round` (which then copies nothing): a contribution computed
+        straight into them is not held a second time (docs/operators.md, "Memory")."""
+        with self._averager.tensors_within(self.config.allreduce_timeout_s + AVERAGER_GRACE_S) as bufs:
+            yield list(bufs)
+
+    def into_buffers(self, compute: Callable[[Optional[list]], Any]) -> Any:
+        """``compute(buffers)`` with the round buffers locked, its result to pass to run_round; when
+        a dead averager holds them, ``compute(None)`` (run_round then reports the averager)."""
+        try:
+            with self.round_buffers() as buffers:
+                return compute(buffers)
+        except TimeoutError:
+            return compute(None)
+
+    def release_buffers(self) -> int:
+        """Free the round buffers' memory once the caller is done with the round's average (4
+        bytes per parameter between rounds; the next contribution written into them brings it
+        back); returns the bytes freed, 0 when the buffers are busy or cannot be freed here."""
+        from dtrain.swarm.memory_pages import free_shared_tensors
+
+        try:
+            with self._averager.tensors_within(RELEASE_WAIT_S) as bufs:
+                return free_shared_tensors(bufs)
+        except TimeoutError:
+            return 0
+
     def run_round(self, tensors: Sequence[torch.Tensor], weight: float, cap: float, *,
                   expected_peers: Sequence[str] = (), tokens: int = 0, timeout_s: Optional[float] = None,
                   peer_caps: Optional[dict[str, float]] = None, stop: Optional[threading.Event] = None,
@@ -111,7 +143,8 @@ class GradientSwarm:
         the record carries ``error``. ``expected_peers`` that did not join are reported
         NON_PARTICIPATING or NOT_ALIVE, and a validator's group forms as soon as all of them
         joined (assembly.py). Setting ``stop`` abandons the round at once (the tensors keep their
-        values). ``work`` (a work report of ``report_type``) and ``work_nonce`` commit this
+        values). ``tensors`` may be the :meth:`round_buffers` themselves. ``work`` (a work report
+        of ``report_type``) and ``work_nonce`` commit this
         contribution to the pages it came from (contribution.py); the record's ``work_reports``
         then holds every committed report of the group.
         """
@@ -122,7 +155,8 @@ class GradientSwarm:
         try:
             with self._averager.tensors_within(self.config.allreduce_timeout_s + AVERAGER_GRACE_S) as bufs:
                 for b, t in zip(bufs, tensors):
-                    b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
+                    if not _same_memory(b, t):
+                        b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
         except TimeoutError as exc:
             return self._failed_record(str(exc), weight, tokens)
         self.sent_round = None  # the averager keeps only this round's from now on
@@ -274,7 +308,8 @@ class GradientSwarm:
             return
         with self._averager.tensors_within(self.config.allreduce_timeout_s + AVERAGER_GRACE_S) as bufs:
             for b, t in zip(bufs, tensors):
-                t.copy_(b.to(device=t.device, dtype=t.dtype))
+                if not _same_memory(b, t):
+                    t.copy_(b.to(device=t.device, dtype=t.dtype))
 
     def _commitment(self, tensors, work, nonce: str) -> tuple[dict, bytes, bytes]:
         """(the gather's commitment, the claims and part digests it commits to): those go to our
@@ -333,3 +368,12 @@ class GradientSwarm:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+# How long release_buffers waits for the buffers: a round in progress keeps them (and needs them).
+RELEASE_WAIT_S = 1.0
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the very same elements (a buffer passed back as itself)."""
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype

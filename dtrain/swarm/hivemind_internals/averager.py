@@ -32,8 +32,10 @@ from dtrain.swarm.hivemind_internals.processes import (
     ServesCommandPipe,
     collect_garbage_of_last_round,
     heap_frozen_for_fork,
+    release_inherited_tensors,
     undeclare_in_background,
 )
+from dtrain.procmem import trim_heap
 from dtrain.swarm.hivemind_internals.runner import ButterflyChecks, ButterflyFacts, ButterflyRunner
 
 logger = logging.getLogger(__name__)
@@ -260,6 +262,7 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
 
     # -- hivemind overrides ----------------------------------------------------------------
     def run(self):
+        release_inherited_tensors()  # the neuron's model and optimizer state (memory_pages.py)
         startup.enable_stack_dumps()
         reset_torch_threads_after_fork()
         self._use_command_pipe()  # see dtrain/swarm/command_pipe.py
@@ -271,7 +274,10 @@ class AveragerProcess(ServesCommandPipe, DecentralizedAverager):
         self._take_private_gather(step)
         undeclare_in_background(self._matchmaking.group_key_manager)
         self._leader.leave_out_lapsed_followers(self._matchmaking)
-        return await super()._step(step=step, future_for_init=future_for_init)
+        try:
+            return await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            trim_heap()  # the round's parts were freed in many threads' arenas: give the pages back
 
     def _user_gather(self, data: bytes) -> Any:
         """A member's user gather from hivemind's ``[bandwidth, mode, user bytes]``; None when

@@ -15,6 +15,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from dtrain.swarm import startup
+from dtrain.swarm.memory_pages import note_private_tensors, release_inherited_tensors
 from dtrain.swarm.command_pipe import DROPPED_REQUEST, CommandPipe
 
 logger = logging.getLogger(__name__)
@@ -24,8 +25,10 @@ logger = logging.getLogger(__name__)
 def heap_frozen_for_fork():
     """Around the fork of a hivemind process: the child inherits the parent's heap frozen, so the
     child's collector never walks (and copies) the neuron's objects, and still runs often
-    (docs/swarm.md, "The DHT and averager processes"). The parent unfreezes at once."""
+    (docs/swarm.md, "The DHT and averager processes"). The parent unfreezes at once. The
+    neuron's large tensors are noted for the child to drop (dtrain.swarm.memory_pages.py)."""
     with _FORK_LOCK:  # two starts at once: one's unfreeze must not come before the other's fork
+        note_private_tensors()
         gc.freeze()
         try:
             yield
@@ -66,6 +69,7 @@ class DHTProcess(ServesCommandPipe, hivemind.DHT):
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
+        release_inherited_tensors()
         startup.enable_stack_dumps()
         self._use_command_pipe()
         super().run()
