@@ -69,10 +69,15 @@ def test_each_adversary_is_caught_for_its_own_reason(run):
     # Whether a miner joins a given round's 5 s matchmaking window is up to the scheduler of
     # a loaded machine, so the all-reduce cheats are judged over every round: caught in each
     # round it joined (and it joined at least one), never averaged in.
+    # With 3 of 9 checked a round, the poisoner may be checked only in a round it sat out (behind
+    # after being refused, nothing trained yet): then its refusal in a round it was not checked
+    # in must have put it on probation (PeerResult.proven), as for the inflated claim above.
     for kind, caught in (("wrong-model", "WRONG_MODEL"), ("poisoner", "FAIL")):
         outcomes = _outcomes(run, seen[kind])
         joined = [o for o in outcomes if o not in ("NON_PARTICIPATING", "NOT_ALIVE")]
-        assert joined and set(joined) == {caught}, (kind, outcomes)
+        assert set(joined) <= {caught}, (kind, outcomes)
+        assert joined or (kind == "poisoner" and "probation" in seen[kind]["gated"]), (kind, outcomes,
+                                                                                      seen[kind]["gated"])
 
 
 def test_poisoner_and_inflated_weight_do_not_stop_the_loss_falling(run):
