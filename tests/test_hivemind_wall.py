@@ -204,6 +204,7 @@ def test_the_shims_are_installed():
     assert load_balancing.optimize_parts_lp is wall.optimize_parts_highs
     registry = serialization._BASE_COMPRESSION_TYPES
     assert isinstance(registry["BLOCKWISE_8BIT"], wall.BlockwiseAbsmax8BitCompression)
+    assert type(registry["MEANSTD_16BIT"]) is wall.BlockwiseTernaryCompression  # the id dtrain's ternary codec takes
     for key in ("UNIFORM_8BIT", "QUANTILE_8BIT"):
         assert getattr(type(registry[key]), "_dtrain_fixed", False), key
 

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from dtrain.swarm.ternary import FORMAT as TERNARY_FORMAT
+
 # Values per block of BlockwiseAbsmax8Bit: each block carries one float32 scale (4 bytes per 64
 # values, +6 % on the wire) and its error bound grows as sqrt(BLOCK - 1) (see the class).
 BLOCK = 64
@@ -102,6 +104,7 @@ _NAMES = {
     "8bit": "8bit", "int8": "8bit", "blockwise8bit": "8bit",
     "8bit-uniform": "8bit-uniform", "uniform8bit": "8bit-uniform",
     "8bit-quantile": "8bit-quantile", "quantile8bit": "8bit-quantile",
+    "ternary": "ternary", "1.5bit": "ternary", "trit": "ternary",
 }
 
 
@@ -109,8 +112,8 @@ def canonical_compression(name: str) -> str:
     """The canonical name of a compression setting (raises ValueError for an unknown one)."""
     key = (name or "none").strip().lower()
     if key not in _NAMES:
-        raise ValueError(f"unknown compression {name!r}; expected one of none, fp16, 8bit, 8bit-uniform, "
-                         "8bit-quantile")
+        raise ValueError(f"unknown compression {name!r}; expected one of none, fp16, 8bit, ternary, "
+                         "8bit-uniform, 8bit-quantile")
     return _NAMES[key]
 
 
@@ -118,6 +121,7 @@ def canonical_compression(name: str) -> str:
 # blockwise one; peers that read the same setting differently cannot decode each other's parts, so
 # the swarm's identity should name the format, not just the setting.
 _WIRE_FORMATS = {"none": "fp32", "fp16": "fp16", "8bit": f"blockwise-absmax-int8/{BLOCK}",
+                 "ternary": TERNARY_FORMAT,
                  "8bit-uniform": "hivemind-uniform-8bit", "8bit-quantile": "hivemind-quantile-8bit"}
 
 

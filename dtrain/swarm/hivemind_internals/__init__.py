@@ -47,6 +47,7 @@ from dtrain.swarm.hivemind_internals.runner import ButterflyChecks, ButterflyFac
 from dtrain.swarm.hivemind_internals.state_server import install_state_server  # noqa: E402
 from dtrain.swarm.hivemind_internals.shims import (  # noqa: E402
     BlockwiseAbsmax8BitCompression,
+    BlockwiseTernaryCompression,
     compression,
     deserialize_part,
     install_shims,
@@ -67,6 +68,7 @@ __all__ = [
     "TESTED_VERSIONS",
     "AveragerProcess",
     "BlockwiseAbsmax8BitCompression",
+    "BlockwiseTernaryCompression",
     "ButterflyChecks",
     "ButterflyFacts",
     "ButterflyRunner",

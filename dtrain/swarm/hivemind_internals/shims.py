@@ -22,6 +22,7 @@ from hivemind.compression.floating import Float16Compression
 from hivemind.proto import runtime_pb2
 
 from dtrain.swarm.codecs import BlockwiseAbsmax8Bit
+from dtrain.swarm.ternary import BlockwiseTernary
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,15 @@ class BlockwiseAbsmax8BitCompression(CompressionBase):
 
     def estimate_compression_ratio(self, info) -> float:
         return self.codec.compression_ratio(torch.finfo(info.descriptor.dtype).bits)
+
+
+class BlockwiseTernaryCompression(BlockwiseAbsmax8BitCompression):
+    """dtrain's :class:`~dtrain.swarm.ternary.BlockwiseTernary` as a hivemind compression, under
+    the id of hivemind's mean-std 16-bit codec (its enum has no free value; dtrain never sends
+    that codec, and peers agree on the codec at group formation before any part is sent)."""
+
+    compression_type = runtime_pb2.MEANSTD_16BIT
+    codec = BlockwiseTernary
 
 
 def optimize_parts_highs(vector_size: int, bandwidths: np.ndarray, min_size: int = 0) -> np.ndarray:
@@ -131,8 +141,9 @@ def install_shims() -> None:
                           ("QUANTILE_8BIT", quantization.Quantile8BitQuantization)):
             if not getattr(type(registry[key]), "_dtrain_fixed", False):
                 registry[key] = _fixed_quantizer(base)()
-        if not isinstance(registry[BlockwiseAbsmax8Bit.WIRE_ID], BlockwiseAbsmax8BitCompression):
-            registry[BlockwiseAbsmax8Bit.WIRE_ID] = BlockwiseAbsmax8BitCompression()
+        for codec in (BlockwiseAbsmax8BitCompression, BlockwiseTernaryCompression):
+            if type(registry[codec.codec.WIRE_ID]) is not codec:
+                registry[codec.codec.WIRE_ID] = codec()
         # load_balance_peers looks optimize_parts_lp up as a module global at call time.
         load_balancing.optimize_parts_lp = optimize_parts_highs
         _shims_installed = True
@@ -148,7 +159,8 @@ def load_balance(vector_size: int, bandwidths: Sequence[Optional[float]], min_si
     return tuple(int(x) for x in load_balancing.load_balance_peers(vector_size, list(bandwidths), min_size))
 
 
-_REGISTERED = {"8bit": BlockwiseAbsmax8Bit.WIRE_ID, "8bit-uniform": "UNIFORM_8BIT", "8bit-quantile": "QUANTILE_8BIT"}
+_REGISTERED = {"8bit": BlockwiseAbsmax8Bit.WIRE_ID, "ternary": BlockwiseTernary.WIRE_ID, "8bit-uniform": "UNIFORM_8BIT",
+               "8bit-quantile": "QUANTILE_8BIT"}
 
 
 def compression(key: str):
