@@ -44,7 +44,10 @@ step every replica applies. They are hashed with the model fingerprint into the
 *swarm fingerprint*, which peers match on in the all-reduce and miners report in
 `/v1/status`. A peer whose swarm-wide settings differ is reported `WRONG_MODEL`
 and its work is not verified, rather than averaging gradients that are silently
-out of step. Everything else is this machine's own choice.
+out of step. One swarm-wide setting is checked by name instead: `allreduce.compression`
+is left out of the fingerprint, and a peer on another wire codec is refused at group
+formation with a reason that names both codecs (docs/protocol.md, "Work commitments").
+Everything else is this machine's own choice.
 
 **Moved and removed keys.** Training settings moved from `[miner]` to
 `[training]`, because validators recompute with them too; an old key (in a file

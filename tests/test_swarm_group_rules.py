@@ -61,6 +61,30 @@ def test_a_peer_of_another_model_or_schema_is_aux_and_wrong_model():
     report = round_report(p)
     assert outcomes(report) == ["SUCCESS"] + ["WRONG_MODEL"] * 4 + ["SUCCESS"]
     assert report.peers[1].reason == "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
+    assert "another dtrain release" in report.peers[3].reason
+
+
+def test_a_peer_on_another_wire_codec_is_refused_naming_both_codecs():
+    """A versioned wire: a peer that would send parts we cannot decode (or decode as something
+    else) never averages; its record names its codec and ours, on both sides."""
+    from dtrain.swarm.codecs import wire_format
+
+    users = [gather(comp="8bit"), gather(comp="ternary"), gather(comp="8bit"), {**gather(comp="8bit"), "wire": None}]
+    p = plan(users)
+    assert p.compatible == [True, False, True, False]
+    assert p.senders == [0, 2] and p.used[1] == 0.0
+    report = round_report(p)
+    assert outcomes(report) == ["SUCCESS", "WRONG_MODEL", "SUCCESS", "WRONG_MODEL"]
+    reason = report.peers[1].reason
+    assert wire_format("ternary") in reason and wire_format("8bit") in reason, reason
+    assert "ternary/128/5-per-byte/v1" in reason and "blockwise-absmax-int8/64" in reason
+    # the ternary peer's own view: it refuses the 8-bit ones, naming both the other way round
+    theirs = round_report(plan(users, me=1))
+    assert outcomes(theirs)[0] == "WRONG_MODEL"
+    assert theirs.peers[0].reason.index("int8") < theirs.peers[0].reason.index("ternary")
+    # an older release's gather (another version) is refused as such, not as another codec
+    old = round_report(plan([gather(), {**gather(), "v": gr.GATHER_VERSION - 1}]))
+    assert "another dtrain release" in old.peers[1].reason
 
 
 def test_an_unknown_mode_is_an_error_only_for_a_compatible_peer():
@@ -278,6 +302,7 @@ def test_gather_and_schema():
                        aggregation="centered_clip", compression="8bit", require_commitments=True,
                        expect=["b", "a"])
     assert g["v"] == gr.GATHER_VERSION and g["w"] == 2.0 and g["agg"] == "centered_clip" and g["req"] is True
+    assert g["wire"] == "blockwise-absmax-int8/64" and g["comp"] == "8bit"
     assert g["expect"] == ["b", "a"] and "commit" not in g
     assert "expect" not in gather()
     a = gr.schema_hash([torch.zeros(3, 4), torch.zeros(5)], 2**17)

@@ -273,11 +273,13 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
     import json
 
     from dtrain.config import swarm_settings
-    from dtrain.swarm.codecs import wire_format
     from dtrain.training.data import ASSIGNMENT_VERSION, MAX_UIDS
     from dtrain.sketch import SKETCH_VERSION
 
     settings = swarm_settings(cfg)
+    # The wire codec is checked at group formation, by name (the gather's ``wire``): a peer on
+    # another codec is told which one, instead of a bare "another model".
+    settings.pop("allreduce.compression", None)
     if not cfg.model.hub_id:
         settings.pop("model.revision", None)  # read only with model.hub_id; a stale value must not split a swarm
     if cfg.data.source != "fineweb":
@@ -288,10 +290,7 @@ def swarm_fingerprint(cfg: Config, model_fingerprint: str, *, tokenizer_digest: 
         # local files have no revision: their names and sizes tell peers on other data apart
         settings["data.files"] = _local_data_identity(cfg)
     doc = {"format": "dtrain-swarm/1", "model": model_fingerprint, "settings": settings, "max_uids": MAX_UIDS,
-           "pages": ASSIGNMENT_VERSION, "sketch": SKETCH_VERSION,
-           # What allreduce.compression puts on the wire: releases that read "8bit" as another
-           # codec (it was hivemind's uniform one) cannot decode each other's parts.
-           "codec": wire_format(cfg.allreduce.compression)}
+           "pages": ASSIGNMENT_VERSION, "sketch": SKETCH_VERSION}
     if tokenizer_digest:
         doc["tokenizer"] = tokenizer_digest
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

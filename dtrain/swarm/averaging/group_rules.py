@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from dtrain.swarm.averaging.assembly import EXPECT_KEY
+from dtrain.swarm.codecs import wire_format
 
-GATHER_VERSION = 3
+GATHER_VERSION = 4
 # A member that most of the group refused as a reducer (for what it returned) within this many
 # of their rounds reduces no share: it still sends, and is recorded FAIL while benched.
 BENCH_ROUNDS = 10
@@ -67,12 +68,13 @@ def make_gather(*, fingerprint: str, schema: str, weight: float, cap: float, nor
                 expect: Optional[list] = None, refused: Optional[list] = None) -> dict:
     """What this peer tells its group about itself (each key is read by a rule below).
     ``claims`` and ``digests`` (the bytes of the claims and part digests ``commitment`` commits
-    to) stay in our averager."""
+    to) stay in our averager. ``wire`` names the codec's format and version: peers on another
+    one are refused by name at formation (:func:`incompatibility`), never decoded."""
     gather = dict(v=GATHER_VERSION, fp=str(fingerprint), schema=schema, w=float(weight), cap=float(cap),
                   norm=norm, ratio=float(max_norm_ratio),
                   caps={str(k): float(v) for k, v in (peer_caps or {}).items()
                         if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0},
-                  agg=aggregation, comp=compression, req=bool(require_commitments))
+                  agg=aggregation, comp=compression, wire=wire_format(compression), req=bool(require_commitments))
     if commitment is not None:
         gather["commit"] = commitment
     if claims is not None:
@@ -136,8 +138,9 @@ class GroupPlan:
     roles: list[str]
     claimed: list[float]  # weight each member claimed
     used: list[float]  # weight this peer gives it (capped; 0 once excluded)
-    compatible: list[bool]  # same model and tensor schema as this peer
+    compatible: list[bool]  # same model, tensor schema and wire codec as this peer
     norms: list[float]
+    incompatible: dict[int, str] = field(default_factory=dict)  # index -> why it is not compatible
     out_of_scale: set[int] = field(default_factory=set)
     unbound: dict[int, str] = field(default_factory=dict)  # index -> why its commitment was refused
     commitments: Optional[dict] = None  # index -> Commitment; None when this peer runs without them
@@ -213,10 +216,12 @@ def plan_group(peer_ids: Sequence[str], me: int, users: Sequence[Any], roles: Se
     cap = float(mine["cap"])
     # Per-peer limits (e.g. 0 for a miner that failed verification) override the default cap.
     peer_caps = mine.get("caps") if isinstance(mine.get("caps"), dict) else {}
-    plan_roles, claimed, used, compatible = [], [], [], []
+    plan_roles, claimed, used, compatible, incompatible = [], [], [], [], {}
     for i, (user, role) in enumerate(zip(users, roles)):
-        ok = (isinstance(user, dict) and user.get("v") == GATHER_VERSION and user.get("fp") == mine["fp"]
-              and user.get("schema") == mine["schema"])
+        why = incompatibility(user, mine)
+        ok = not why
+        if why:
+            incompatible[i] = why
         compatible.append(ok)
         w = user.get("w", 0.0) if isinstance(user, dict) else 0.0
         w = float(w) if isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 else 0.0
@@ -227,12 +232,26 @@ def plan_group(peer_ids: Sequence[str], me: int, users: Sequence[Any], roles: Se
             raise ValueError(f"peer {peer_ids[i]} announced an unknown averaging mode")
         plan_roles.append(role if ok else AUX)
     norms, out_of_scale = scale_check(users, compatible, claimed, float(mine.get("ratio", 0.0) or 0.0))
-    plan = GroupPlan(list(map(str, peer_ids)), me, mine, plan_roles, claimed, used, compatible, norms, out_of_scale,
-                     committed=[isinstance(u, dict) and isinstance(u.get("commit"), dict) for u in users])
+    plan = GroupPlan(list(map(str, peer_ids)), me, mine, plan_roles, claimed, used, compatible, norms, incompatible,
+                     out_of_scale, committed=[isinstance(u, dict) and isinstance(u.get("commit"), dict) for u in users])
     for i in out_of_scale:
         plan.exclude(i)
     plan.benched = bench_votes(plan.peer_ids, users, compatible)
     return plan
+
+
+def incompatibility(user: Any, mine: dict) -> str:
+    """Why a member's gather cannot average with ours ("" when it can): another gather format,
+    model fingerprint, tensor schema, or wire codec (named both ways, so that either operator
+    sees which codec to change)."""
+    if not isinstance(user, dict) or user.get("v") != GATHER_VERSION:
+        theirs = user.get("v") if isinstance(user, dict) else None
+        return f"gather format {theirs!r} differs from ours ({GATHER_VERSION}): another dtrain release"
+    if user.get("fp") != mine["fp"] or user.get("schema") != mine["schema"]:
+        return "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
+    if user.get("wire") != mine["wire"]:
+        return f"wire codec {str(user.get('wire'))[:80]!r} differs from ours ({mine['wire']!r})"
+    return ""
 
 
 def bench_votes(peer_ids: Sequence[str], users: Sequence[Any], compatible: Sequence[bool]) -> set[int]:

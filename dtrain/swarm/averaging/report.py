@@ -87,7 +87,7 @@ def member_outcome(plan: GroupPlan, i: int, v: Verdicts) -> tuple[Outcome, str]:
     """
     peer = plan.peer_ids[i]
     if not plan.compatible[i]:
-        return Outcome.WRONG_MODEL, "model fingerprint or tensor schema (shapes, dtypes, part size) differs"
+        return Outcome.WRONG_MODEL, plan.incompatible.get(i, "model fingerprint or tensor schema differs")
     if i in plan.out_of_scale:
         return Outcome.FAIL, f"out-of-scale contribution (norm {plan.norms[i]:.3g})"
     if i in plan.unbound:
