@@ -330,6 +330,8 @@ def worker(args) -> int:
                     part_size_bytes=args.part_size_bytes or None,
                     allow_state_sharing=False,
                 )
+                if args.wire:
+                    cfg = cfg.replace(compression=args.wire)
                 if not prod:  # the ablation: hivemind's weighted mean, no work commitments
                     cfg = cfg.replace(aggregation="mean", require_commitments=False)
                 swarm = GradientSwarm(node.dht, [mine], "bench", cfg, report_type=WorkReport)
@@ -455,7 +457,7 @@ def _tail(log_dir: str, i: int, lines: int = 40) -> str:
 def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: str, part_size_bytes: int,
               matchmaking_s: float = 3.0, timeout_s: float | None = None, peer_rates_mbit: dict | None = None,
               sender_timeout_s: float = 60.0, raw: list | None = None, warmup: int = 0,
-              tcp_cc: str | None = None) -> dict:
+              tcp_cc: str | None = None, wire: str = "") -> dict:
     """Run one lab; ``raw`` (if given) receives every worker's per-round rows. ``timeout_s``: how
     long to wait for a worker's results (None: enough for every round to take three times its
     bound, plus one lost matchmaking per implementation; a baseline that loses a round must
@@ -476,7 +478,7 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
                 argv = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(i), "--ip", lab.ip(i),
                         "--peers", str(peers), "--size-mb", str(size_mb), "--rounds", str(rounds), "--impls", impls,
                         "--part-size-bytes", str(part_size_bytes), "--matchmaking-s", str(matchmaking_s),
-                        "--sender-timeout", str(sender_timeout_s), "--warmup", str(warmup)]
+                        "--sender-timeout", str(sender_timeout_s), "--warmup", str(warmup), "--wire", wire]
                 if boot:
                     argv += ["--initial-peer", boot]
                 if os.environ.get("DTRAIN_NETNS_DEBUG"):
@@ -519,14 +521,24 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
     from dtrain.swarm.averaging.settings import part_size_for
 
     summary: dict = dict(peers=peers, size_mb=size_mb, rate_mbit=rate_mbit, bound_s=bound, rounds=rounds,
+                         dtrain_wire=wire or "the schema's allreduce.compression",
                          tcp_congestion_control=congestion_control,
                          warmup_rounds=warmup, dtrain_part_size_bytes=part_size_bytes or part_size_for(size_bytes))
+    lossless = wire in ("", "none")  # the ablation's result is the exact mean only over fp32
     for impl in impls.split(","):
         summary[impl] = summarize_impl([row for res in results for row in res if row["impl"] == impl],
-                                       rounds, size_mb, bound, exact_mean=impl != "dtrain",
+                                       rounds, size_mb, bound,
+                                       exact_mean=impl == "hivemind" or (impl == "dtrain-mean" and lossless),
                                        identical=impl != "hivemind", payload=2.0 * size_bytes * (peers - 1) / peers)
         # bytes each peer moves per direction over the median time: the link rate at efficiency 1
         summary[impl]["busbw_mbit"] = rate_mbit * summary[impl]["efficiency"]
+        # against the bound of the bytes this implementation put on the wire (its codec's own
+        # bound): what a compressed wire makes of the link, not only how much less it sends
+        busy = summary[impl].get("wire_bytes_per_peer")
+        own_bound = busy["median"] / (rate_mbit * 1e6 / 8) if busy else None
+        summary[impl]["own_bound_s"] = own_bound
+        summary[impl]["efficiency_own_bytes"] = (own_bound / summary[impl]["seconds"]
+                                                 if own_bound and summary[impl]["seconds"] > 0 else None)
     for impl in ("dtrain", "dtrain-mean"):
         if impl in summary and "hivemind" in summary:
             summary[f"{impl}_vs_hivemind_speedup"] = summary["hivemind"]["seconds"] / summary[impl]["seconds"]
@@ -641,6 +653,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tcp-cc", default=None,
                     help="TCP congestion control of the peers' namespaces (e.g. cubic, bbr); default: what a new "
                          "namespace inherits from the host (reported as tcp_congestion_control)")
+    ap.add_argument("--wire", default="",
+                    help="the dtrain implementations' codec (none, fp16, 8bit, ternary); default: the schema's "
+                         "allreduce.compression, what dtrain mine ships")
     ap.add_argument("--json", action="store_true")
     # worker mode (internal)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -665,7 +680,7 @@ def main(argv=None) -> int:
     for rate in args.rate_mbit:
         for n in args.peers:
             results.append(run_group(n, args.size_mb, rate, args.rounds, args.impls, args.part_size_bytes,
-                                     args.matchmaking_s, warmup=args.warmup, tcp_cc=args.tcp_cc))
+                                     args.matchmaking_s, warmup=args.warmup, tcp_cc=args.tcp_cc, wire=args.wire))
             if not args.json:
                 print(_table(results[-1:]), flush=True)
     # The goal (issue #21): what `dtrain mine` ships (dtrain) within 0.8 of the bound and no slower

@@ -26,6 +26,9 @@ benchmark's:
   ``allreduce.outer_momentum``). Every outer round is real.
 * ``diloco_8bit``: the same with ``allreduce.compression = "8bit"`` (dtrain's blockwise
   codec, both the parts sent to reducers and the averaged parts sent back).
+* ``diloco_ternary`` (with ``--ternary``): the same over dtrain's ternary codec on both legs
+  (1.85 bits a value; not yet an ``allreduce.compression`` choice, so the swarm settings are
+  the 8-bit set-up's with the codec replaced: docs/swarm.md, "Wire compression").
 
 A round that fails (an error, part of the vector not averaged, a peer not SUCCESS) is run
 again, up to ``MAX_ATTEMPTS`` times in all, with every peer's unchanged contribution (a
@@ -49,6 +52,7 @@ with ``--in-process``): AdamW peak 4e-3 for the reference and per-step runs (2e-
 
     python benchmarks/convergence.py            # table
     python benchmarks/convergence.py --json     # one JSON document
+    python benchmarks/convergence.py --json --ternary   # with diloco_ternary beside them
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ PER_STEP_GAP_OK = 0.02  # per-step averaging is the reference's math: only round
 
 # Shortest shipped-corpus page is 1837 tokens: pages this size never repeat text.
 PAGE_TOKENS = 1792
-DILOCO_SETUPS = ("diloco", "diloco_8bit")
+DILOCO_SETUPS = ("diloco", "diloco_8bit", "diloco_ternary")
+# Codecs GradientSwarm has that the config does not offer yet: run with the 8-bit config, codec swapped.
+UNOFFERED_WIRES = ("ternary",)
 # A failed round is run at most this many times in all before it counts as failed.
 MAX_ATTEMPTS = 4
 
@@ -297,9 +303,10 @@ def _bytes(records: Sequence) -> tuple[float, float]:
     return bytes_per_token(records), (sum(moved) / len(moved) if moved else float("nan"))
 
 
-def swarms_for(cfg, nodes, modes, prefix: str) -> list:
+def swarms_for(cfg, nodes, modes, prefix: str, wire: str | None = None) -> list:
     """GradientSwarms as a neuron opens them (runtime.averaging_config: the schema's aggregation,
-    compression and work commitments), with matchmaking windows for loopback."""
+    compression and work commitments), with matchmaking windows for loopback; ``wire`` replaces
+    the codec (one the config does not offer)."""
     import dataclasses
 
     from dtrain.neurons.runtime import averaging_config
@@ -307,6 +314,8 @@ def swarms_for(cfg, nodes, modes, prefix: str) -> list:
 
     avg = dataclasses.replace(averaging_config(cfg, None), prefix=prefix, min_matchmaking_time_s=1.0,
                               request_timeout_s=0.5, matchmaking_timeout_s=60.0, allow_state_sharing=False)
+    if wire is not None:
+        avg = dataclasses.replace(avg, compression=wire)
     return [GradientSwarm(nd.dht, [p.detach() for p in m.trainer.params], f"conv-{prefix}", avg,
                           mode=cfg.allreduce.mode, report_type=m.report_type) for nd, m in zip(nodes, modes)]
 
@@ -431,10 +440,12 @@ def run_diloco(args, tok, batch_of, nodes, compression: str) -> dict:
     ``nodes`` None: average in-process (tuning)."""
     t0 = time.monotonic()
     n, b, H = args.peers, args.batch, args.diloco_h
-    cfg = bench_config(args, "diloco", lr=args.inner_lr, compression=compression)
+    unoffered = compression in UNOFFERED_WIRES
+    cfg = bench_config(args, "diloco", lr=args.inner_lr, compression="8bit" if unoffered else compression)
     modes = make_modes(args, tok, cfg)
     log = RoundLog()
-    swarms = swarms_for(cfg, nodes, modes, f"conv_diloco_{compression}") if nodes is not None else []
+    swarms = (swarms_for(cfg, nodes, modes, f"conv_diloco_{compression}", wire=compression if unoffered else None)
+              if nodes is not None else [])
     with tempfile.TemporaryDirectory(prefix="dtrain-conv-snapshots-") as snapshots:
         for i, m in enumerate(modes):
             m.open_store(Path(snapshots) / f"miner{i}")  # a miner keeps its snapshots; so do these
@@ -495,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--per-step-rounds", type=int, default=10, help="per-step steps run as real rounds")
     ap.add_argument("--seed", type=int, default=0, help="model init and data order")
     ap.add_argument("--skip-diloco", action="store_true")
+    ap.add_argument("--ternary", action="store_true", help="also run DiLoCo over the ternary wire (diloco_ternary)")
     ap.add_argument("--in-process", action="store_true",
                     help="tuning: average in-process, no swarm, no bytes (skips per-step rounds and 8-bit)")
     return ap
@@ -537,6 +549,8 @@ def main(argv=None) -> int:
             if not args.skip_diloco:
                 runs["diloco"] = run_diloco(args, tok, batch_of, nodes, "none")
                 runs["diloco_8bit"] = run_diloco(args, tok, batch_of, nodes, "8bit")
+                if args.ternary:
+                    runs["diloco_ternary"] = run_diloco(args, tok, batch_of, nodes, "ternary")
 
     setups: dict = {}
     ref_loss = eval_loss(runs["reference"]["trainer"], held_out)

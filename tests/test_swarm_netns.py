@@ -43,6 +43,20 @@ def test_rate_limited_round_is_exact_and_cleans_up():
     assert _namespaces() == before  # every namespace we made is gone
 
 
+def test_a_compressed_wire_is_measured_against_the_bound_of_its_own_bytes():
+    """--wire: the dtrain implementations run another codec; besides the fp32 bound, the round is
+    held to the bound of the bytes it put on the wire (what the codec makes of the link)."""
+    mod = _lab_module()
+    res = mod.run_group(3, 2.0, 200.0, 1, "dtrain-mean", 2**17, matchmaking_s=3.0, timeout_s=120, wire="8bit")
+    s = res["dtrain-mean"]
+    assert s["all_ok"] and res["dtrain_wire"] == "8bit"
+    # 8-bit moves about a quarter of fp32's bytes, and its own bound shrinks with them
+    assert 0.2 < s["wire_over_payload"] < 0.4
+    assert s["own_bound_s"] == pytest.approx(s["wire_bytes_per_peer"]["median"] / (200e6 / 8))
+    assert s["efficiency_own_bytes"] == pytest.approx(s["own_bound_s"] / s["seconds"])
+    assert 0 < s["efficiency_own_bytes"] < s["efficiency"]
+
+
 def test_throttled_straggler_is_banned_others_complete():
     mod = _lab_module()
     # Peer 2 gets a 0.2 Mbit/s link: a 128 KiB part takes ~5 s, longer than the 2 s sender
