@@ -23,7 +23,7 @@ class Outcome(str, enum.Enum):
     FAIL = "FAIL"  # in the group but failed: dropped/killed, too slow (banned), or sent non-finite values
     NON_PARTICIPATING = "NON_PARTICIPATING"  # expected and reachable, but did not join the group
     NOT_ALIVE = "NOT_ALIVE"  # expected but not reachable on the DHT/p2p layer
-    WRONG_MODEL = "WRONG_MODEL"  # joined, but its model fingerprint or tensor schema differs from ours
+    WRONG_MODEL = "WRONG_MODEL"  # joined, but its model fingerprint, tensor schema or wire codec differs from ours
 
     @classmethod
     def parse(cls, value: "Outcome | str") -> "Outcome":
