@@ -1,6 +1,6 @@
 """Wire compression: what each ``allreduce.compression`` setting means, and dtrain's 8-bit codec.
 
-The names and the codec's arithmetic, free of hivemind: the swarm fingerprint (``wire_format``)
+The names and the codec's arithmetic, free of hivemind: the gather's ``wire`` (``wire_format``)
 and the tolerances read them without importing it. How a part reaches the wire (hivemind's
 serializer, the codec registered in the wall) is dtrain/swarm/wire.py.
 """
@@ -119,7 +119,7 @@ def canonical_compression(name: str) -> str:
 
 # What each setting puts on the wire. "8bit" meant hivemind's uniform codec before dtrain's
 # blockwise one; peers that read the same setting differently cannot decode each other's parts, so
-# the swarm's identity should name the format, not just the setting.
+# the gather names the format and version, not just the setting (group_rules.incompatibility).
 _WIRE_FORMATS = {"none": "fp32", "fp16": "fp16", "8bit": f"blockwise-absmax-int8/{BLOCK}",
                  "ternary": TERNARY_FORMAT,
                  "8bit-uniform": "hivemind-uniform-8bit", "8bit-quantile": "hivemind-quantile-8bit"}
