@@ -354,11 +354,20 @@ def _same_norm(tensors, norm: float = 10.0) -> list[torch.Tensor]:
 
 
 def _round(nodes, contributions, *, sent=None, weights=None, faults=None, reports=None):
+    """One round of real peers sending ``sent`` (default: their contributions), each from a fresh
+    copy (a round whose matchmaking missed a peer is run again: tests.swarm_checks)."""
+    from tests.swarm_checks import retry_matchmaking_miss
+
+    base = sent or contributions
+    return retry_matchmaking_miss(lambda: _round_once(nodes, contributions, [[t.clone() for t in c] for c in base],
+                                                      weights=weights, faults=faults, reports=reports))
+
+
+def _round_once(nodes, contributions, sent, *, weights=None, faults=None, reports=None):
     from dtrain.swarm.loopback import run_concurrently
     from tests.faults import swarm as make_swarm
 
     cfg = _cfg(len(contributions))
-    sent = sent or [[t.clone() for t in c] for c in contributions]
     reports = reports or [_report(c) for c in contributions]
     weights = weights or [8] * len(contributions)
     swarms = [make_swarm(nodes[i].dht, contributions[i], "model-a", cfg, fault=(faults or {}).get(i))

@@ -40,6 +40,12 @@ def _contributions(n: int) -> list[list[torch.Tensor]]:
 
 
 def _round(nodes, contributions, wires, *, faults=None):
+    from tests.swarm_checks import retry_matchmaking_miss
+
+    return retry_matchmaking_miss(lambda: _round_once(nodes, contributions, wires, faults=faults))
+
+
+def _round_once(nodes, contributions, wires, *, faults=None):
     from dtrain.swarm.loopback import run_concurrently
     from tests.faults import swarm as make_swarm
     from tests.swarm_checks import loopback_config
