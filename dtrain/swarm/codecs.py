@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from dtrain.swarm.codec_tensors import flat_float32, restored, value_count
 from dtrain.swarm.ternary import FORMAT as TERNARY_FORMAT
 
 # Values per block of BlockwiseAbsmax8Bit: each block carries one float32 scale (4 bytes per 64
@@ -57,26 +58,21 @@ class BlockwiseAbsmax8Bit:
         """``(buffer, shape, dtype name)`` of a floating-point tensor."""
         import torch
 
-        if not torch.is_floating_point(tensor):
-            raise ValueError(f"BlockwiseAbsmax8Bit does not support {tensor.dtype} tensors")
-        src = tensor.detach().cpu()
-        dtype_name = "bfloat16" if src.dtype == torch.bfloat16 else src.numpy().dtype.name
-        flat = src.reshape(-1).to(torch.float32)
+        flat, shape, dtype_name = flat_float32(tensor, "BlockwiseAbsmax8Bit")
         n = flat.numel()
         blocks = torch.nn.functional.pad(flat, (0, (-n) % BLOCK)).view(-1, BLOCK)
         scales = blocks.abs().amax(dim=1) / _LEVELS
         # a zero block keeps scale 0 (decodes to exact zeros); divide by 1 there instead of 0
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
         codes = torch.round(blocks / divisor).clamp_(-_LEVELS, _LEVELS).to(torch.int8).reshape(-1)[:n]
-        return scales.numpy().astype("<f4").tobytes() + codes.numpy().tobytes(), tuple(src.shape), dtype_name
+        return scales.numpy().astype("<f4").tobytes() + codes.numpy().tobytes(), shape, dtype_name
 
     @staticmethod
     def decode(buffer: bytes, shape, dtype_name: str):
         """The tensor a buffer of :meth:`encode` stands for (ValueError when its length is wrong)."""
         import torch
 
-        shape = tuple(shape)
-        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        n = value_count(shape)
         num_blocks = -(-n // BLOCK)
         # a peer's malformed message must fail loudly (hivemind then bans the sender), not misdecode
         if len(buffer) != 4 * num_blocks + n:
@@ -88,8 +84,7 @@ class BlockwiseAbsmax8Bit:
         codes = torch.as_tensor(codes.astype(np.float32))
         padded = torch.nn.functional.pad(codes, (0, num_blocks * BLOCK - n))
         values = (padded.view(num_blocks, BLOCK) * scales.unsqueeze(1)).reshape(-1)[:n]
-        dtype = getattr(torch, dtype_name) if dtype_name else torch.float32
-        return values.reshape(shape).to(dtype)
+        return restored(values, shape, dtype_name)
 
     @staticmethod
     def compression_ratio(bits_per_value: int) -> float:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtrain.swarm.codec_tensors import flat_float32, restored, value_count
+
 # Values per block: one float32 scale each (0.25 bits per value on top of the 1.6 of the codes).
 BLOCK = 128
 # A value is coded when its magnitude exceeds this fraction of its block's mean magnitude: the
@@ -91,19 +93,13 @@ class BlockwiseTernary:
     @staticmethod
     def encode(tensor) -> tuple[bytes, tuple[int, ...], str]:
         """``(buffer, shape, dtype name)`` of a floating-point tensor."""
-        import torch
-
-        if not torch.is_floating_point(tensor):
-            raise ValueError(f"BlockwiseTernary does not support {tensor.dtype} tensors")
-        src = tensor.detach().cpu()
-        dtype_name = "bfloat16" if src.dtype == torch.bfloat16 else src.numpy().dtype.name
-        scales, codes = ternarize(src.reshape(-1).to(torch.float32))
+        flat, shape, dtype_name = flat_float32(tensor, "BlockwiseTernary")
+        scales, codes = ternarize(flat)
         n = codes.numel()
         trits = np.ones(-(-n // TRITS_PER_BYTE) * TRITS_PER_BYTE, dtype=np.int32)
         trits[:n] = codes.numpy().astype(np.int32) + 1
         packed = (trits.reshape(-1, TRITS_PER_BYTE) @ _POWERS).astype(np.uint8)
-        return (bytes([FORMAT_VERSION]) + scales.numpy().astype("<f4").tobytes() + packed.tobytes(),
-                tuple(src.shape), dtype_name)
+        return bytes([FORMAT_VERSION]) + scales.numpy().astype("<f4").tobytes() + packed.tobytes(), shape, dtype_name
 
     @staticmethod
     def decode(buffer: bytes, shape, dtype_name: str):
@@ -112,8 +108,7 @@ class BlockwiseTernary:
         a peer's malformed message must fail loudly, never decode to something else."""
         import torch
 
-        shape = tuple(shape)
-        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        n = value_count(shape)
         if len(buffer) and buffer[0] != FORMAT_VERSION:
             raise ValueError(f"ternary part of format version {buffer[0]}, this peer reads {FORMAT}")
         if len(buffer) != packed_size(n):
@@ -128,9 +123,7 @@ class BlockwiseTernary:
         trits = _TABLE[packed].reshape(-1)
         if trits[n:].any():
             raise ValueError("ternary part has non-zero padding trits")
-        values = expand(torch.as_tensor(scales), torch.as_tensor(trits[:n]))
-        dtype = getattr(torch, dtype_name) if dtype_name else torch.float32
-        return values.reshape(shape).to(dtype)
+        return restored(expand(torch.as_tensor(scales), torch.as_tensor(trits[:n])), shape, dtype_name)
 
     @staticmethod
     def compression_ratio(bits_per_value: int) -> float:

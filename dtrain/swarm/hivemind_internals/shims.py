@@ -55,11 +55,12 @@ def _fixed_quantizer(base: type) -> type:
     return _Fixed
 
 
-class BlockwiseAbsmax8BitCompression(CompressionBase):
-    """dtrain's :class:`~dtrain.swarm.codecs.BlockwiseAbsmax8Bit` as a hivemind compression."""
+class _DtrainCodecCompression(CompressionBase):
+    """One of dtrain's codecs (``codec``: encode, decode, compression_ratio) as a hivemind
+    compression under the wire id ``compression_type``."""
 
-    compression_type = runtime_pb2.BLOCKWISE_8BIT
-    codec = BlockwiseAbsmax8Bit
+    compression_type: int
+    codec: type
     _dtrain_fixed = True
 
     def compress(self, tensor, info, allow_inplace: bool = False):
@@ -75,7 +76,14 @@ class BlockwiseAbsmax8BitCompression(CompressionBase):
         return self.codec.compression_ratio(torch.finfo(info.descriptor.dtype).bits)
 
 
-class BlockwiseTernaryCompression(BlockwiseAbsmax8BitCompression):
+class BlockwiseAbsmax8BitCompression(_DtrainCodecCompression):
+    """dtrain's :class:`~dtrain.swarm.codecs.BlockwiseAbsmax8Bit` as a hivemind compression."""
+
+    compression_type = runtime_pb2.BLOCKWISE_8BIT
+    codec = BlockwiseAbsmax8Bit
+
+
+class BlockwiseTernaryCompression(_DtrainCodecCompression):
     """dtrain's :class:`~dtrain.swarm.ternary.BlockwiseTernary` as a hivemind compression, under
     the id of hivemind's mean-std 16-bit codec (its enum has no free value; dtrain never sends
     that codec, and peers agree on the codec at group formation before any part is sent)."""
