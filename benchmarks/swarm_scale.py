@@ -507,6 +507,7 @@ def single_process(mode: str, miner_uids: list[int], steps: int) -> dict:
     cfg = sandbox_config(mode, len(miner_uids))
     shape = sandbox_shape(cfg)
     cfg.training.local_batch_size = shape["local_batch"] * len(miner_uids)  # the global batch
+    cfg.allreduce.target_batch_size = cfg.training.local_batch_size  # one step per global batch
     bench = open_workbench(cfg)
     mode_obj, reader = bench.mode, bench.reader
     pages_per_step = shape["local_batch"] // shape["page_sequences"]

@@ -134,3 +134,6 @@ def check_consistency(cfg: Config, *, source: str) -> None:
     if t.micro_batch_size > t.local_batch_size:
         raise ConfigError(f"expected micro_batch_size <= local_batch_size ({t.local_batch_size}), "
                           f"found {t.micro_batch_size}", source=source, key="training.micro_batch_size")
+    if cfg.allreduce.target_batch_size < t.local_batch_size:
+        raise ConfigError(f"expected target_batch_size >= training.local_batch_size ({t.local_batch_size}), found "
+                          f"{cfg.allreduce.target_batch_size}", source=source, key="allreduce.target_batch_size")

@@ -85,8 +85,9 @@ class TrainingConfig:
 
     micro_batch_size: int = _f(8, "Sequences per forward/backward pass (a validator also asks miners for this "
                                "micro-batch size in Train queries).", min=1, max=65536)
-    local_batch_size: int = _f(64, "Sequences a miner accumulates before each all-reduce round.", min=1,
-                               max=1 << 24, swarm=True)
+    local_batch_size: int = _f(64, "Sequences per DiLoCo inner step. Gradient mode trains on until its round (up "
+                               "to allreduce.target_batch_size); there this is the batch size the batch audit's "
+                               "chance is counted in (docs/scoring.md).", min=1, max=1 << 24, swarm=True)
     optimizer: str = _f("adamw", "Inner optimizer.", choices=("adamw", "lamb"), swarm=True)
     lr: float = _f(3e-4, "Peak learning rate.", min=0.0, swarm=True)
     weight_decay: float = _f(0.1, "Decoupled weight decay.", min=0.0, swarm=True)
@@ -149,8 +150,10 @@ class AllReduceConfig:
                                "\"What each mode costs\").", min=0.0, max=1.0, swarm=True)
     diloco_snapshot_every: int = _f(50, "DiLoCo: inner steps between the snapshots a miner keeps for validators' "
                                     "replays; bounds one audit's replay to this many steps.", min=1, swarm=True)
-    target_batch_size: int = _f(512, "Global batch the progress display counts toward (rounds follow the "
-                                "validators' round notices).", min=1)
+    target_batch_size: int = _f(32768, "The swarm's target global batch, in sequences. Gradient mode: a miner "
+                                "trains continuously until its round, up to this many, and a contribution weighs "
+                                "at most this much; the progress display counts toward it (docs/training.md, "
+                                "\"The global batch\").", min=1, max=1 << 24, swarm=True)
     min_group_size: int = _f(2, "Smallest group an all-reduce round accepts.", min=1, max=4096)
     target_group_size: int = _f(256, "Largest group matchmaking assembles: at least the subnet's miners, so "
                                 "every miner averages in the one group its validators witness (docs/swarm.md).",

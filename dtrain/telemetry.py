@@ -65,7 +65,8 @@ class Snapshot:
     samples: int = 0
     tokens: int = 0
     samples_accumulated: int = 0
-    local_batch: int = 0
+    local_batch: int = 0  # samples a contribution may carry (gradient mode: the target global batch)
+    train_busy_s: float = 0.0  # seconds spent training own pages since the start (busy fraction)
     target_batch: int = 0
     global_samples: int | None = None  # None until the swarm's progress was read from the DHT
     loss: float | None = None

@@ -15,6 +15,7 @@ from dtrain.swarm.records import RoundRecord
 from dtrain.training import snapshots
 
 H = 3  # DiLoCo inner steps per epoch in these tests
+TARGET = 12  # the target global batch: three pages
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 
@@ -30,6 +31,8 @@ def _config(mode: str) -> Config:
     cfg.allreduce.diloco_inner_warmup, cfg.allreduce.diloco_snapshot_every = 2, 2
     cfg.allreduce.outer_lr, cfg.allreduce.outer_momentum = OUTER_LR, OUTER_MOMENTUM
     cfg.validator.audit_pages = 2
+    # gradient mode trains on past a local batch until its round, up to this target
+    cfg.allreduce.target_batch_size = TARGET
     return cfg
 
 
@@ -115,7 +118,7 @@ def test_weight_caps_and_empty_reports(bench_of):
     from dtrain.training.work import WorkReport
 
     per_step, diloco = bench_of("gradient").mode, bench_of("diloco").mode
-    assert per_step.weight_cap == 4.0 and diloco.weight_cap == 4.0 * H
+    assert per_step.weight_cap == float(TARGET) and diloco.weight_cap == 4.0 * H
     assert per_step.empty_report(7) == WorkReport(epoch=7)
     assert diloco.empty_report(7) == TrajectoryReport.empty(7)
     assert diloco.empty_report(7).samples == 0 and not diloco.empty_report(7).steps
@@ -129,14 +132,15 @@ def test_per_step_contribution_is_the_mean_gradient_with_its_samples(bench_of):
     mode = bench.mode
     mode.start_epoch(0)
     pages = _train(bench)
-    assert len(pages) == 1 and mode.samples == 4 and not mode.wants_data
+    # past the local batch (4) until the target global batch: every sample it trains counts
+    assert len(pages) == 3 and mode.samples == TARGET and not mode.wants_data
     grads = _copy(mode.trainer.gradients())
     c = mode.contribution(mode.samples, weight_cap=100.0)
-    assert all(torch.allclose(t, g / 4) for t, g in zip(c.tensors, grads))
-    assert c.weight == 4.0 and [p.page for p in c.report.pages] == pages and c.report.samples == 4
+    assert all(torch.allclose(t, g / TARGET) for t, g in zip(c.tensors, grads))
+    assert c.weight == TARGET and [p.page for p in c.report.pages] == pages and c.report.samples == TARGET
     assert mode.contribution(mode.samples, weight_cap=3.0).weight == 3.0  # never above the cap
     progress = mode.progress()
-    assert (progress.samples_accumulated, progress.local_batch, progress.inner_step) == (4, 4, 0)
+    assert (progress.samples_accumulated, progress.local_batch, progress.inner_step) == (TARGET, TARGET, 0)
 
 
 @pytest.mark.parametrize("mode_name", ["gradient", "diloco"])
@@ -193,7 +197,7 @@ def test_per_step_apply_average_steps_and_a_failed_round_changes_nothing(bench_o
     before = _copy(mode.trainer.params)
     assert mode.apply_average(_record(ok=False), c.tensors) is None
     assert mode.apply_average(_record(), [t * float("nan") for t in c.tensors]) is None
-    assert _equal(before, mode.trainer.params) and mode.samples == 4  # the local batch is kept too
+    assert _equal(before, mode.trainer.params) and mode.samples == TARGET  # the accumulation is kept too
     metrics = mode.apply_average(_record(), c.tensors)
     assert metrics is not None and metrics.inner_step == 1
     assert not _equal(before, mode.trainer.params) and mode.samples == 0 and mode.wants_data

@@ -16,6 +16,7 @@ from dtrain.validation.verification import (
     NOT_COMMITTED,
     PageAudit,
     WorkVerdict,
+    batch_audit_chance,
     check_page_ids,
     choose_audit_pages,
     judge_work,
@@ -124,6 +125,33 @@ def test_round_input_and_scoring_pay_for_verified_work_only():
     assert inputs[5].train is None and scores[5].combined == 0.0 and "no_participation" in scores[5].gated
     assert scores[6].combined == 0.0 and "inflated_claim" in scores[6].gated
     assert inputs[4].train.verified_samples == 0 and NOT_COMMITTED.credited_samples == 0
+
+
+def test_pay_is_proportional_to_verified_samples_however_large_contributions_grow():
+    # Miners train continuously, so contributions differ by hardware speed: each miner's round
+    # score is its verified samples over the round's most, at any size (docs/scoring.md).
+    cfg = ScoringConfig()
+    sizes = {1: 4096, 2: 2048, 3: 1365, 4: 64, 5: 8}
+    inputs = {uid: round_input(checks=[OK], shared_peer_id=False,
+                               work=judge_work(_report(n // 4), "", [_audit()], expected_epoch=3),
+                               claimed_weight=4 * (n // 4), outcome=Outcome.SUCCESS, slice_bps=1e7)
+              for uid, n in sizes.items()}
+    scores = score_round(inputs, cfg)
+    top = scores[1].combined
+    for uid, n in sizes.items():
+        assert abs(scores[uid].combined - top * (n // 4) / (4096 // 4)) < 1e-9, (uid, scores[uid])
+
+
+def test_the_batch_audit_chance_keeps_the_validators_cost_bounded():
+    # Up to a local batch: the configured chance; beyond it, the expected samples recomputed stay
+    # chance x local batch, a falling share of a growing contribution.
+    assert batch_audit_chance(0.25, 0, 64) == 0.25
+    assert batch_audit_chance(0.25, 64, 64) == 0.25 and batch_audit_chance(1.0, 16, 64) == 1.0
+    for samples in (65, 128, 1000, 32768, 1 << 24):
+        chance = batch_audit_chance(0.25, samples, 64)
+        assert 0 < chance < 0.25
+        assert abs(chance * samples - 0.25 * 64) < 1e-9
+    assert batch_audit_chance(0.0, 4096, 64) == 0.0
 
 
 def test_a_failed_train_answer_credits_nothing_even_with_good_work():

@@ -58,6 +58,8 @@ class ModeSettings:
     audit_pages: int
     # validating: the chance a miner's whole batch is recomputed in a round's secret-seed audit
     batch_audit_probability: float = 0.0
+    # per-step: the swarm's target global batch, the most one contribution carries (and weighs)
+    target_batch_size: int = 0
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModeSettings:
@@ -68,7 +70,8 @@ class ModeSettings:
                    grad_clip=t.grad_clip or None, precision=t.precision, inner_steps=a.diloco_inner_steps,
                    inner_warmup=a.diloco_inner_warmup, snapshot_every=a.diloco_snapshot_every,
                    outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, audit_pages=cfg.validator.audit_pages,
-                   batch_audit_probability=cfg.validator.batch_audit_probability)
+                   batch_audit_probability=cfg.validator.batch_audit_probability,
+                   target_batch_size=a.target_batch_size)
 
     def local_trainer_config(self, device: str, fused: bool | None = None):
         """The trainer of the local steps. ``fused`` None: torch's fused AdamW on CUDA only."""

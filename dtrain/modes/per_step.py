@@ -1,9 +1,12 @@
-"""Per-step mode (``allreduce.mode = "gradient"``): every round averages the gradient of one
-local batch, and every peer takes the same optimizer step with it.
+"""Per-step mode (``allreduce.mode = "gradient"``): every round averages the gradients the
+miners trained since the last one, weighted by samples, and every peer takes the same optimizer
+step with it.
 
 The miner accumulates gradients of its own pages on the shared replica itself, recording a
-work sketch per page (``dtrain.training.work``); its contribution is the mean gradient of
-those pages. A validator recomputes randomly chosen committed pages on the pre-step replica.
+work sketch per page (``dtrain.training.work``), and goes on until its round begins, up to the
+swarm's target global batch: faster hardware brings more samples to the round and is paid for
+them. Its contribution is the mean gradient of those pages. A validator recomputes randomly
+chosen committed pages on the pre-step replica.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class PerStep(Mode):
 
     @property
     def wants_data(self) -> bool:
-        return self.trainer.accumulated_samples < self.settings.local_batch_size
+        # Train until the round, not until a local batch: idling waiting for the clock wastes the accelerator.
+        return self.trainer.accumulated_samples < self.contribution_limit
 
     def train_page(self, tokens, *, page: int, counter: int, epoch: int) -> PageTrained:
         if self.trainer.accumulated_samples == 0:
@@ -63,7 +67,7 @@ class PerStep(Mode):
         t = self.trainer
         return Progress(lr=t.lr, inner_step=t.counters.inner_step, samples=t.counters.samples,
                         tokens=t.counters.tokens, samples_accumulated=t.accumulated_samples,
-                        local_batch=self.settings.local_batch_size)
+                        local_batch=self.contribution_limit)
 
     # ---------------------------------------------------------------- contribution
 
@@ -81,8 +85,14 @@ class PerStep(Mode):
     # ---------------------------------------------------------------- validating
 
     @property
+    def contribution_limit(self) -> int:
+        """The most samples one contribution carries: the swarm's target global batch (one
+        miner alone may fill it), never below a local batch."""
+        return max(self.settings.target_batch_size, self.settings.local_batch_size)
+
+    @property
     def weight_cap(self) -> float:
-        return float(self.settings.local_batch_size)
+        return float(self.contribution_limit)
 
     def empty_report(self, epoch: int):
         from dtrain.training.work import WorkReport
@@ -98,7 +108,9 @@ class PerStep(Mode):
         from dtrain.training.work_audit import recompute_page_work
         from dtrain.sketch import WORK_SKETCH_K
         from dtrain.training.work import work_nonce
-        from dtrain.validation.verification import check_page_ids, choose_audit_pages, judge_work, page_audit
+        from dtrain.validation.verification import (
+            batch_audit_chance, check_page_ids, choose_audit_pages, judge_work, page_audit,
+        )
 
         nonce = work_nonce(self.settings.run_id, epoch)
         verdicts = []
@@ -118,7 +130,9 @@ class PerStep(Mode):
                     claimed = Fingerprint(loss=entry.loss, sketch=entry.sketch, samples=entry.samples)
                     audits.append(page_audit(entry, compare_fingerprints(claimed, reference)))
             verdict = judge_work(report, id_problem, audits, expected_epoch=epoch)
-            if verdict.passed and req.sent is not None and rng.random() < self.settings.batch_audit_probability:
+            chance = batch_audit_chance(self.settings.batch_audit_probability, report.samples,
+                                        self.settings.local_batch_size)
+            if verdict.passed and req.sent is not None and rng.random() < chance:
                 problem = self._batch_problem(report, req.sent)
                 log.info("uid %d: whole committed batch recomputed for the round audit: %s", req.uid,
                          problem or "it gives what the miner sent")

@@ -53,6 +53,7 @@ class Miner(NeuronBase):
         # The model card's facts about the round that produced the current epoch (publish.round_facts).
         self._card_round: dict | None = None
         self._data_retry_at = 0.0
+        self._busy_s = 0.0  # time in training steps of own pages (benchmarks/utilization.py)
         self.server = self.pusher = self.node = self.swarm = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -112,9 +113,7 @@ class Miner(NeuronBase):
 
     def _commit(self) -> None:
         from dtrain.chain.base import ChainError
-        from dtrain.chain.commitment import MinerCommitment
-
-        from dtrain.chain.commitment import CommitmentError
+        from dtrain.chain.commitment import CommitmentError, MinerCommitment
 
         try:
             record = MinerCommitment(peer_id=self.node.peer_id, api=self.api_address,
@@ -287,11 +286,13 @@ class Miner(NeuronBase):
             progress = self.bench.mode.progress()
         self.page_counter += 1
         elapsed = max(time.perf_counter() - t0, 1e-9)
+        self._busy_s += elapsed
         self._last_loss = trained.loss
         self.tel.train_metrics(loss=trained.loss, tokens_per_s=trained.samples * self.cfg.model.seq_len / elapsed,
                                lr=progress.lr, epoch=self.epoch, inner_step=progress.inner_step,
                                samples=progress.samples, tokens=progress.tokens,
-                               samples_accumulated=progress.samples_accumulated, local_batch=progress.local_batch)
+                               samples_accumulated=progress.samples_accumulated, local_batch=progress.local_batch,
+                               train_busy_s=self._busy_s)
 
     # ------------------------------------------------------------------ API handlers (server threads)
 

@@ -22,6 +22,7 @@ def validator_names(count: int) -> list[str]:
 # DiLoCo in the sandbox: H inner steps of a quarter-size local batch fit one round slot, and a
 # snapshot every 4 steps keeps each validator's replay to at most 4 steps per miner.
 SANDBOX_DILOCO_H, SANDBOX_DILOCO_BATCH, SANDBOX_SNAPSHOT_EVERY = 8, 16, 4
+SANDBOX_TARGET_BATCHES = 16  # allreduce.target_batch_size, in local batches
 SANDBOX_DILOCO_WARMUP = 2  # the ramp of the production default (a tenth of H), at least one ramped step
 
 
@@ -109,6 +110,9 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
         m.local_batch_size = scale.diloco_batch
         # H local steps take longer than one local batch: a slot long enough for them.
         v.round_interval_s = max(v.round_interval_s, 6.0)
+    # Gradient mode trains continuously up to the target global batch: 16 local batches, more
+    # than a sandbox miner trains in a slot, so a faster miner brings (and is paid for) more.
+    a.target_batch_size = SANDBOX_TARGET_BATCHES * scale.local_batch
     cfg.hub.repo, cfg.hub.backoff_s = str(layout.store_dir(root)), 2.0
     cfg.api.host, cfg.api.port, cfg.api.metrics_port = "127.0.0.1", 0, 0
     cfg.dashboard.enabled = False

@@ -110,6 +110,17 @@ def choose_audit_pages(num_pages: int, count: int, rng: random.Random) -> list[i
     return sorted(rng.sample(range(num_pages), min(count, num_pages)))
 
 
+def batch_audit_chance(probability: float, committed_samples: int, reference_samples: int) -> float:
+    """The chance of recomputing a miner's whole committed batch this round: ``probability`` for
+    a batch of up to ``reference_samples`` (a local batch), less in proportion beyond it. A
+    miner that trains continuously commits as much as its hardware trains in a round; the
+    validator's expected cost per miner stays ``probability x reference_samples`` samples, a
+    falling share of that miner's work (docs/scoring.md, "What a validator recomputes")."""
+    if committed_samples <= reference_samples or committed_samples <= 0:
+        return probability
+    return probability * reference_samples / committed_samples
+
+
 def check_page_ids(pages: Sequence, expected_page: Callable[[int], int]) -> str:
     """"" when every committed page is the miner's own page for its counter, else the problem.
 
