@@ -14,11 +14,11 @@ import typer
 from dtrain.cli.common import CommandError, JsonOpt, NoDashboardOpt, cli_errors, err, print_json
 
 # dtrain.neurons.adversary.KINDS, written out so that completion never imports the neurons
-# (tests/test_cli.py checks the two agree). "fused-adamw" is an honest miner on another
-# optimizer implementation, the sandbox's stand-in for other hardware.
+# (tests/test_cli.py checks the two agree). The last two are honest: "fused-adamw" on another
+# optimizer implementation (other hardware), "third-speed" on hardware a third as fast.
 ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner", "sign-flip", "zero",
                "selective", "rescale", "noisy", "replay", "sandbagger", "wrong-pages", "nullspace-sender", "negating-reducer",
-               "scaling-reducer", "nullspace-reducer", "fused-adamw")
+               "scaling-reducer", "nullspace-reducer", "fused-adamw", "third-speed")
 
 
 # dtrain.config's allreduce.mode choices (the config module is light, but keep completion lean).
@@ -45,8 +45,8 @@ ValidatorsOpt = Annotated[int, typer.Option(
     "--validators", min=1, max=8,
     help="Independent validators to start; each runs every round and sets its own weights.")]
 AdversaryOpt = Annotated[Optional[list[str]], typer.Option(
-    "--adversary", help=f"Add a cheating miner (repeatable): {', '.join(ADVERSARIES[:-1])}; or "
-    "fused-adamw, an honest miner on another optimizer implementation.",
+    "--adversary", help=f"Add a cheating miner (repeatable): {', '.join(ADVERSARIES[:-2])}; or an honest "
+    "one on other hardware: fused-adamw (another optimizer implementation), third-speed (a third as fast).",
     autocompletion=_complete_adversary)]
 DirOpt = Annotated[Optional[Path], typer.Option(
     "--dir", file_okay=False, help="Keep the sandbox state here (default: a temporary directory).")]

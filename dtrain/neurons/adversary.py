@@ -6,7 +6,8 @@ Each kind misbehaves in one way, so validator operators can watch the scoring ca
 they trained for (``_AlteredContribution`` and the others down to ``nullspace-sender``), and
 some alter what they return as reducers (``negating-reducer``, ``scaling-reducer``,
 ``nullspace-reducer``). ``fused-adamw`` is no cheat: an honest miner on another optimizer
-kernel, the sandbox's "other hardware". Each overrides one seam of the honest Miner, its
+kernel, the sandbox's "other hardware"; ``third-speed`` is no cheat either: an honest miner on
+hardware a third as fast. Each overrides one seam of the honest Miner, its
 modes (``build_workbench(modes=...)``) or its round's mechanisms (``_mechanisms``); the honest
 code never asks which kind it runs. Enabled only by ``dtrain mine``'s hidden ``--adversary``.
 """
@@ -352,9 +353,23 @@ class FusedAdamW(AdversarialMiner):
         return runtime.build_workbench(self.cfg, fused=True)
 
 
+class ThirdSpeed(AdversarialMiner):
+    """Honest, on hardware a third as fast: each page it trains holds its training thread three
+    times as long (the sandbox's slower GPU; pay must follow the samples it verifies)."""
+
+    kind = "third-speed"
+
+    def _train_own_page(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        super()._train_own_page()
+        self.stop.wait(2.0 * (time.perf_counter() - t0))
+
+
 MINERS = {cls.kind: cls for cls in (Lazy, WrongModel, Copycat, Freeloader, InflatedWeight, Poisoner, SignFlip, Zero,
                                     Selective, Rescale, Noisy, Replay, Sandbagger, WrongPages, NullspaceSender, NegatingReducer,
-                                    ScalingReducer, NullspaceReducer, FusedAdamW)}
+                                    ScalingReducer, NullspaceReducer, FusedAdamW, ThirdSpeed)}
 KINDS = tuple(MINERS)
 
 

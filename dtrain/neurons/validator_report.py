@@ -49,7 +49,7 @@ def round_summary(round_no: int, epoch: int, probes, record, scores, weights, em
     for probe in probes:
         s = scores[probe.uid]
         rows.append({"uid": probe.uid, "hotkey": probe.hotkey, "outcome": probe.outcome,
-                     "score": s.combined, "ema": ema.paid().get(probe.uid, 0.0),
+                     "score": s.combined, "credited": s.credited_samples, "ema": ema.paid().get(probe.uid, 0.0),
                      "weight": weights.get(probe.uid, 0.0), "gated": list(s.gated), "note": probe.note,
                      "train_s": round(probe.train_seconds, 3)})
     participants = [r["uid"] for r in rows if r["outcome"] == "SUCCESS"]

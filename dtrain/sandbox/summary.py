@@ -82,6 +82,8 @@ def _round_row(r: dict) -> dict:
             "verify_s": r.get("verify_s"), "audit_s": r.get("audit_s"),
             "train_query_s": r.get("train_query_s"),
             "outcomes": {str(m["uid"]): m["outcome"] for m in r.get("miners", [])},
+            # verified samples per checked miner: what its steps score (and pay) follows
+            "credited": {str(m["uid"]): m.get("credited") for m in r.get("miners", [])},
             "notes": {str(m["uid"]): m.get("note", "") for m in r.get("miners", []) if m.get("note")}}
 
 
