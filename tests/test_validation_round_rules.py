@@ -279,6 +279,12 @@ def test_a_miner_that_moved_on_and_missed_our_group_is_excused_a_few_rounds():
     late = _verdict(result=None, claimed_weight=None, checks=[], moved_on=True, moved_on_before=MAX_OVERTAKEN_IN_A_ROW)
     assert late.moved_on_streak == MAX_OVERTAKEN_IN_A_ROW + 1 and late.scoring.outcome is Outcome.NON_PARTICIPATING
     assert score_round({1: late.scoring})[1].combined == 0.0
+    # a cheat our round refused for its contribution, caught up after the refusal: scored FAIL
+    refused = _verdict(result=PeerResult("m1", Outcome.FAIL, 64.0, reason="contribution does not match its "
+                                         "committed pages (sketch error 10)", proven=True),
+                       moved_on=True, note="contribution does not match its committed pages")
+    assert refused.scoring.outcome is Outcome.FAIL and "not scored" not in refused.note
+    assert score_round({1: refused.scoring})[1].combined == 0.0
     # one that averaged our epoch with us cannot have moved on before our checks
     liar = _verdict(moved_on=True, checks=[BAD])
     assert liar.scoring.outcome is Outcome.SUCCESS and score_round({1: liar.scoring})[1].combined == 0.0

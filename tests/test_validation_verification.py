@@ -243,6 +243,9 @@ def test_a_miner_that_steps_mid_check_is_stale_evidence_not_a_failure():
     # averaged our epoch with us, so it cannot have moved on before our checks: its claim is false
     assert not excuse_moved_on(True, Outcome.SUCCESS, 1)
     assert not excuse_moved_on(False, Outcome.NON_PARTICIPATING, 1)
+    # refused by our own round for what it published at our epoch: it caught up after the refusal
+    assert excuse_moved_on(True, Outcome.FAIL, 1)
+    assert not excuse_moved_on(True, Outcome.FAIL, 1, proven=True)
 
 
 def test_an_excused_miner_keeps_its_score_and_a_failed_check_still_gates():

@@ -269,7 +269,7 @@ def miner_verdict(*, result: PeerResult | None, claimed_weight: float | None, re
     # up: it is scored on a round it is in, not this one, for a few rounds in a row at most.
     behind = reachable and status_epoch is not None and status_epoch < our_epoch
     streak = moved_on_streak(moved_on_before, moved_on or behind)
-    excused = excuse_moved_on(moved_on or behind, outcome, streak)
+    excused = excuse_moved_on(moved_on or behind, outcome, streak, proven=result is not None and result.proven)
     ahead = reachable and (status_epoch or 0) > our_epoch
     measured = not excused and (bool(checks) or (reachable and not ahead))
     scoring = round_input(checks=list(checks) if measured else None, shared_peer_id=shared_peer_id, work=work,

@@ -325,15 +325,20 @@ def moved_on_during_checks(status_epoch: int | None, our_epoch: int, recheck_epo
     return (status_epoch == our_epoch and recheck_epoch is not None and recheck_epoch > our_epoch)
 
 
-def excuse_moved_on(moved_on: bool, outcome: Outcome | str, in_a_row: int) -> bool:
+def excuse_moved_on(moved_on: bool, outcome: Outcome | str, in_a_row: int, proven: bool = False) -> bool:
     """Whether a miner that moved on during our checks is left unscored this round.
 
     Only when it also missed our group (an honest miner at the next epoch cannot be in it; one
     that averaged our epoch with us cannot have moved on before we checked it), and at most
     ``MAX_OVERTAKEN_IN_A_ROW`` rounds in a row: a miner answering with made-up epochs after a
     failed check freezes its score for a few rounds at most, and never earns by it.
+
+    A miner our own round refused for what it published at our epoch (``proven``: its
+    ``PeerResult.proven``) was in our group at our epoch: if it moved on, it caught up after we
+    refused it, and the refusal is evidence, not stale.
     """
-    return moved_on and Outcome.parse(outcome) is not Outcome.SUCCESS and in_a_row <= MAX_OVERTAKEN_IN_A_ROW
+    return (moved_on and not proven and Outcome.parse(outcome) is not Outcome.SUCCESS
+            and in_a_row <= MAX_OVERTAKEN_IN_A_ROW)
 
 
 def on_probation(probation: dict[str, int], hotkey: str, round_no: int) -> bool:
