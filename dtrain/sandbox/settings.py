@@ -113,6 +113,10 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     # Gradient mode trains continuously up to the target global batch: 16 local batches, more
     # than a sandbox miner trains in a slot, so a faster miner brings (and is paid for) more.
     a.target_batch_size = SANDBOX_TARGET_BATCHES * scale.local_batch
+    if validators > 1:
+        # Validators that score different rounds (each may average its own epochs on one
+        # machine) agree on weights only while a round's credit varies little: one local batch.
+        a.target_batch_size = scale.local_batch
     cfg.hub.repo, cfg.hub.backoff_s = str(layout.store_dir(root)), 2.0
     cfg.api.host, cfg.api.port, cfg.api.metrics_port = "127.0.0.1", 0, 0
     cfg.dashboard.enabled = False
