@@ -113,7 +113,7 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     # Gradient mode trains continuously up to the target global batch: 16 local batches, more
     # than a sandbox miner trains in a slot, so a faster miner brings (and is paid for) more.
     a.target_batch_size = SANDBOX_TARGET_BATCHES * scale.local_batch
-    if validators > 1:
+    if validators > 1 and mode == "gradient":
         # Validators that score different rounds (each may average its own epochs on one
         # machine) agree on weights only while a round's credit varies little: one local batch.
         a.target_batch_size = scale.local_batch
