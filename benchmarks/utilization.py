@@ -70,8 +70,8 @@ SHIPPED = ("data.page_sequences", "training.micro_batch_size", "training.local_b
 def _configure(root: Path, members, *, round_interval: float, capped: bool) -> None:
     """Rewrite every neuron's config: the SHIPPED values, ``round_interval``, and for the previous
     release's arm (``capped``) a target global batch of one local batch (its rule)."""
-    from dtrain.config_files import save_config
-    from dtrain.config_loading import load_config
+    from dtrain.config.files import save_config
+    from dtrain.config.loading import load_config
     from dtrain.sandbox import layout
 
     for member in members:

@@ -29,7 +29,7 @@ def test_scaling_is_the_swarm_rate_over_the_miners_rates_alone():
 
 def test_the_previous_arm_is_the_previous_release_rule(tmp_path):
     # capped: target_batch_size = local_batch_size, so gradient mode stops at one local batch
-    from dtrain.config_loading import load_config
+    from dtrain.config.loading import load_config
     from dtrain.sandbox.orchestrator import Sandbox, SandboxOptions
     from dtrain.sandbox import layout
     from dtrain.modes.base import ModeSettings

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from dtrain.config_checks import (
+from dtrain.config.checks import (
     ConfigError, check_consistency, check_range, check_type, describe, parse_env_value, suggest,
 )
-from dtrain.config_files import read_toml, resolve_config_path
-from dtrain.config_schema import MOVED_KEYS, REMOVED_KEYS, SECTIONS, Config, env_name, retired_reason, section_fields
+from dtrain.config.files import read_toml, resolve_config_path
+from dtrain.config.schema import MOVED_KEYS, REMOVED_KEYS, SECTIONS, Config, env_name, retired_reason, section_fields
 
 # bittensor's own environment variables, honoured as btcli users expect.
 BT_ENV = {"BT_NETWORK": ("chain", "network"), "BT_WALLET": ("wallet", "name"),

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from dtrain.config_checks import ConfigError
-from dtrain.config_schema import Config
+from dtrain.config.checks import ConfigError
+from dtrain.config.schema import Config
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 from typing import Any
 
-from dtrain.config_schema import Config
+from dtrain.config.schema import Config
 
 
 class ConfigError(Exception):
