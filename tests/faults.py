@@ -47,7 +47,7 @@ class FaultInjection:
     # say so in the account: a result the claims explain, but not the rule
     drop_sender: Optional[str] = None
     # as a reducer, return each averaged part reflected through its public sketch's null space
-    # (about negated, every public check unchanged: dtrain.neurons.adversary.nullspace_reduced)
+    # (about negated, every public check unchanged: dtrain.sandbox.adversary.nullspace_reduced)
     nullspace_results: bool = False
     # send each part reflected through its public sketch's null space, after committing the
     # digests of the honest bytes (its claims still match): other bytes than committed
@@ -63,7 +63,7 @@ class FaultInjection:
 
 
 def _nullspace(plan, values, global_part: int):
-    from dtrain.neurons.adversary import nullspace_reduced
+    from dtrain.sandbox.adversary import nullspace_reduced
 
     param, start, _ = plan.layout.parts[global_part]
     return nullspace_reduced(values, param, start, plan.rules.claims_nonce).to(values.dtype)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.neurons.adversary import NULLSPACE_SCALE, _nullspace_reduce, nullspace_altered, nullspace_reduced
+from dtrain.sandbox.adversary import NULLSPACE_SCALE, _nullspace_reduce, nullspace_altered, nullspace_reduced
 from dtrain.swarm.averaging.contribution import PartLayout, compute_claims
 from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
 from dtrain.swarm.wire import make_compression
@@ -152,7 +152,7 @@ def test_nullspace_sender_contribution_passes_the_binding_check_in_both_modes(mo
     # wire settings are read, so a stand-in holds them (small parts: several per tensor).
     import threading
 
-    from dtrain.neurons.adversary import miner_class
+    from dtrain.sandbox.adversary import miner_class
     from dtrain.neurons.runtime import build_workbench
     from dtrain.swarm.averaging.contribution import BINDING_RTOL, Commitment, binding_error
     from dtrain.telemetry import Telemetry

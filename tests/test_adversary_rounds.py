@@ -1,4 +1,4 @@
-"""The contribution cheats of dtrain.neurons.adversary join only a round they have trained for.
+"""The contribution cheats of dtrain.sandbox.adversary join only a round they have trained for.
 
 With nothing trained in the epoch (just caught up after a refused round left them an epoch
 behind) their contribution would bring weight 0, which the swarm neither scale-checks nor
@@ -32,7 +32,7 @@ def bench():
 
 
 def _cheat(kind: str, bench, epoch: int):
-    from dtrain.neurons.adversary import miner_class
+    from dtrain.sandbox.adversary import miner_class
     from dtrain.telemetry import Telemetry
 
     miner = miner_class(kind)(_config("diloco"), Telemetry("miner"), threading.Event())
@@ -66,7 +66,7 @@ def test_with_trained_steps_it_runs_the_round_and_at_another_epoch_the_honest_pa
 
 
 def test_other_kinds_keep_the_honest_round():
-    from dtrain.neurons.adversary import InflatedWeight, Lazy, Sandbagger
+    from dtrain.sandbox.adversary import InflatedWeight, Lazy, Sandbagger
     from dtrain.neurons.miner import Miner
 
     # an inflated weight with nothing trained is still its own cheat (claims more than committed)

@@ -80,7 +80,7 @@ def test_completion_offers_subcommands_and_values():
 
 def test_sandbox_offers_every_adversary_kind():
     from dtrain.cli.sandbox import ADVERSARIES
-    from dtrain.neurons.adversary import KINDS
+    from dtrain.sandbox.adversary import KINDS
 
     assert ADVERSARIES == KINDS
 

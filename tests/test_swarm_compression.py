@@ -149,7 +149,7 @@ def _binding(sent, report, compression, part_size: int, nonce: str = NONCE):
 
 
 def _cheats(true, old) -> dict[str, list[torch.Tensor]]:
-    """What each cheat sends instead of ``true`` while committing ``true``'s report (dtrain.neurons.adversary)."""
+    """What each cheat sends instead of ``true`` while committing ``true``'s report (dtrain.sandbox.adversary)."""
     flat = _flat(true)
     sigma = 0.5 * float(flat.norm()) / math.sqrt(flat.numel())
     gen = torch.Generator().manual_seed(9)

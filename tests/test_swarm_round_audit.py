@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.neurons.adversary import nullspace_altered
+from dtrain.sandbox.adversary import nullspace_altered
 from dtrain.swarm.averaging.audit import SenderAudit, audit_nonce, audit_round, batch_problem, draw_seed
 from dtrain.swarm.averaging.contribution import PartLayout, binding_rtol
 from dtrain.swarm.averaging.kept import SentContribution

@@ -23,8 +23,6 @@ def mine(
     initial_peer: InitialPeerOpt = None,
     max_rounds: Annotated[Optional[int], typer.Option(
         "--max-rounds", min=1, help="Stop cleanly after this many all-reduce rounds (default: run until Ctrl-C).")] = None,
-    adversary: Annotated[Optional[str], typer.Option(
-        "--adversary", hidden=True, help="Misbehave on purpose (sandbox and tests only).")] = None,
 ) -> None:
     """Train, share gradients with the swarm, and answer validators. Ctrl-C saves and exits 0."""
     cfg = load(node.config, {
@@ -38,8 +36,8 @@ def mine(
     from dtrain.cli.neuron_runner import run_neuron
 
     def build(telemetry, stop):
-        from dtrain.neurons.adversary import miner_class
+        from dtrain.neurons.miner import Miner
 
-        return miner_class(adversary)(cfg, telemetry, stop, max_rounds=max_rounds)
+        return Miner(cfg, telemetry, stop, max_rounds=max_rounds)
 
     raise typer.Exit(run_neuron(cfg, "miner", node.no_dashboard, build))

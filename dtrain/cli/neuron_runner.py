@@ -2,7 +2,8 @@
 
 Ctrl-C (SIGINT) or SIGTERM asks the neuron to stop: it finishes the step it is in,
 saves a checkpoint, leaves the DHT and returns, and the command exits 0. A second
-signal stops at once.
+signal stops at once. A neuron started with a lifeline (dtrain/lifeline.py) stops the
+same way when its supervisor dies.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def run_neuron(cfg: Config, role: str, no_dashboard: bool,
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        _hold_lifeline(telemetry, stop)
         neuron = build(telemetry, stop)
         if use_dashboard(cfg, no_dashboard):
             from dtrain.ui.dashboard import LiveDashboard
@@ -53,6 +55,24 @@ def run_neuron(cfg: Config, role: str, no_dashboard: bool,
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _hold_lifeline(telemetry: Telemetry, stop: threading.Event) -> None:
+    """Stop when the supervisor that passed a lifeline dies (dtrain/lifeline.py)."""
+    from dtrain.lifeline import lifeline_fd, watch_lifeline
+
+    try:
+        fd = lifeline_fd()
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    if fd is None:
+        return
+
+    def lost() -> None:
+        telemetry.event("the supervisor that started this neuron is gone: stopping")
+        stop.set()
+
+    watch_lifeline(fd, lost)
 
 
 def _run(neuron) -> int:

@@ -13,7 +13,7 @@ import typer
 
 from dtrain.cli.common import CommandError, JsonOpt, NoDashboardOpt, cli_errors, err, print_json
 
-# dtrain.neurons.adversary.KINDS, written out so that completion never imports the neurons
+# dtrain.sandbox.adversary.KINDS, written out so that completion never imports the neurons
 # (tests/test_cli.py checks the two agree). The last two are honest: "fused-adamw" on another
 # optimizer implementation (other hardware), "third-speed" on hardware a third as fast.
 ADVERSARIES = ("lazy", "wrong-model", "copycat", "freeloader", "inflated-weight", "poisoner", "sign-flip", "zero",

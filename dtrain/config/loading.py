@@ -15,6 +15,7 @@ from dtrain.config.checks import (
     ConfigError, check_consistency, check_range, check_type, describe, parse_env_value, suggest,
 )
 from dtrain.config.files import read_toml, resolve_config_path
+from dtrain.lifeline import LIFELINE_ENV
 from dtrain.config.schema import MOVED_KEYS, REMOVED_KEYS, SECTIONS, Config, env_name, retired_reason, section_fields
 
 # bittensor's own environment variables, honoured as btcli users expect.
@@ -53,7 +54,7 @@ def apply_env(cfg: Config, env: Mapping[str, str]) -> None:
             if var in env:
                 _set_checked(cfg, section, key, env[var], source=f"env {var}", from_string=True)
     # A misspelt DTRAIN_ variable would otherwise be ignored silently.
-    known = {env_name(s, k) for s in SECTIONS for k in section_fields(s)} | {"DTRAIN_CONFIG"}
+    known = {env_name(s, k) for s in SECTIONS for k in section_fields(s)} | {"DTRAIN_CONFIG", LIFELINE_ENV}
     retired = {env_name(*dotted.split(".")): dotted for dotted in (*MOVED_KEYS, *REMOVED_KEYS)}
     for var in env:
         if var.startswith("DTRAIN_") and var not in known and not var.startswith("DTRAIN_TEST_"):

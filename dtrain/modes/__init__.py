@@ -31,7 +31,7 @@ def build_mode(cfg: Config, model, device: str, reader, fused: bool | None = Non
 
     ``fused`` forces (True) or forbids (False) torch's fused AdamW for the local steps (None:
     on CUDA only). ``modes`` replaces the registry (the cheating miners of
-    dtrain.neurons.adversary pass their own mode classes).
+    dtrain.sandbox.adversary pass their own mode classes).
     """
     registry = MODES if modes is None else modes
     name = cfg.allreduce.mode

@@ -209,7 +209,7 @@ class Miner(NeuronBase):
 
     # ------------------------------------------------------------------ seams
     # What a miner does at each step of the protocol, one method each, so that the cheating
-    # miners of dtrain.neurons.adversary override a seam instead of branching in here.
+    # miners of dtrain.sandbox.adversary override a seam instead of branching in here.
 
     def _build_workbench(self):
         from dtrain.neurons import runtime

@@ -234,7 +234,7 @@ def build_workbench(cfg: Config, *, n_positions: int | None = None, fused: bool 
 
     ``n_positions`` overrides the architecture, ``fused`` the local AdamW kernel, ``modes``
     the mode classes (dtrain.modes.build_mode): only the cheating miners of
-    dtrain.neurons.adversary use them.
+    dtrain.sandbox.adversary use them.
     """
     from dtrain.modes import UnknownMode, build_mode
     from dtrain.training.data import PageReader, PageSpec

@@ -3,7 +3,9 @@
 It creates the embedded chain and real sr25519 wallets, starts each miner and validator as its
 own ``dtrain mine`` / ``dtrain validate`` process on loopback, waits for the validators' rounds,
 then stops every neuron with SIGINT and kills what is left with its whole process group, so no
-p2pd daemon outlives the sandbox.
+p2pd daemon outlives the sandbox. Each neuron also holds a lifeline to this process
+(dtrain/lifeline.py): when the sandbox dies without stopping them (``kill -9``), they stop
+themselves.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from dtrain.config import save_config
+from dtrain.lifeline import LIFELINE_ENV
 from dtrain.procmem import PeakMemory
 from dtrain.sandbox import layout
 from dtrain.sandbox.layout import Member
@@ -95,6 +98,8 @@ class Sandbox:
         self._stopping = threading.Event()
         self.started_at = time.time()
         self.memory = PeakMemory()  # each neuron's process tree, for the summary's peak memory
+        # Only this process holds the write end: when it dies, every neuron's read ends (lifeline.py).
+        self._lifeline_read, self._lifeline_write = os.pipe()
         if options.directory is not None:
             self.root = Path(options.directory).expanduser().resolve()
         else:
@@ -151,16 +156,20 @@ class Sandbox:
     def _spawn(self, member: Member, extra: list[str]) -> Child:
         ndir = layout.neuron_dir(self.root, member.name)
         log = ndir / "log.txt"
-        command = "mine" if member.role == "miner" else "validate"
-        argv = [sys.executable, "-m", "dtrain", command, "--config", str(ndir / "config.toml"),
-                "--no-dashboard", *extra]
-        if member.role == "miner" and member.kind != "honest":
-            argv += ["--adversary", member.kind]
+        config = ["--config", str(ndir / "config.toml"), *extra]
+        if member.role == "validator":
+            argv = [sys.executable, "-m", "dtrain", "validate", "--no-dashboard", *config]
+        elif member.kind == "honest":
+            argv = [sys.executable, "-m", "dtrain", "mine", "--no-dashboard", *config]
+        else:  # a miner of another kind runs outside `dtrain mine` (dtrain/cli/sandbox_neuron.py)
+            argv = [sys.executable, "-m", "dtrain.cli.sandbox_neuron", member.kind, *config]
         with open(log, "ab") as fh:
             # Own session: the whole process group (the neuron, its hivemind workers and p2pd)
             # can be signalled and, if need be, killed together.
+            env = {**child_env(), LIFELINE_ENV: str(self._lifeline_read)}
             process = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=child_env(), cwd=str(ndir), start_new_session=True)
+                                       env=env, cwd=str(ndir), start_new_session=True,
+                                       pass_fds=(self._lifeline_read,))
         child = Child(member, process, log)
         self.children.append(child)
         self.memory.track(member.name, process.pid)
@@ -279,6 +288,10 @@ class Sandbox:
                 child.process.wait(timeout=10)
 
     def cleanup(self) -> None:
+        fds, self._lifeline_read, self._lifeline_write = (self._lifeline_read, self._lifeline_write), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
         if self._temp is not None:
             self._temp.cleanup()
 

@@ -1,6 +1,6 @@
 """The classes a round is built from: replace one to change one mechanism.
 
-The sandbox's cheating reducers (dtrain/neurons/adversary.py) and the tests' faulty peers
+The sandbox's cheating reducers (dtrain/sandbox/adversary.py) and the tests' faulty peers
 (tests/faults.py) are made this way, and run the honest code path everywhere else.
 """
 

@@ -9,7 +9,8 @@ some alter what they return as reducers (``negating-reducer``, ``scaling-reducer
 kernel, the sandbox's "other hardware"; ``third-speed`` is no cheat either: an honest miner on
 hardware a third as fast. Each overrides one seam of the honest Miner, its
 modes (``build_workbench(modes=...)``) or its round's mechanisms (``_mechanisms``); the honest
-code never asks which kind it runs. Enabled only by ``dtrain mine``'s hidden ``--adversary``.
+code never asks which kind it runs. Run by ``dtrain sandbox --adversary KIND`` through
+dtrain/cli/sandbox_neuron.py, never by ``dtrain mine``.
 """
 
 from __future__ import annotations
