@@ -16,6 +16,11 @@ Three implementations run in the same namespaces in the same run (same processes
   gets; only the lab's group size, timeouts and part size are set;
 * ``dtrain-mean``: the ablation: the same with hivemind's weighted mean and no work
   commitments, i.e. dtrain's butterfly alone (its result is checked against the exact mean);
+* ``butterfly``: dtrain's own butterfly (dtrain/swarm/butterfly.py) on its own P2P protocol over
+  a group fixed before the round (the members found on the DHT, in index order, an equal share
+  of the parts each), the weighted mean, the schema's wire codec and part size; every peer starts
+  each round at the same instant of a shared clock, as members of an announced round do. Not
+  yet the path `dtrain mine` ships: it has none of the checks of ``dtrain``;
 * ``hivemind``: DecentralizedAverager with its defaults, only the matchmaking group
   size/time set so the n peers meet.
 
@@ -240,7 +245,7 @@ class CpuMeter:
 # worker: runs inside one namespace
 # ------------------------------------------------------------------------------------------
 
-IMPLS = ("dtrain", "dtrain-mean", "hivemind")
+IMPLS = ("dtrain", "dtrain-mean", "butterfly", "hivemind")
 LINGER_S = 5.0
 
 
@@ -381,6 +386,8 @@ def worker(args) -> int:
                     # averager down at once would cut that sender's last part. Linger (untimed).
                     time.sleep(LINGER_S)
                     swarm.shutdown()
+            elif impl == "butterfly":
+                out.extend(_own_butterfly_rounds(args, node, mine, check, wire_bytes, dht_pid))
             else:  # hivemind's DecentralizedAverager, default configuration
                 data = mine.clone()
                 avg = DecentralizedAverager(
@@ -422,6 +429,70 @@ def worker(args) -> int:
     finally:
         node.shutdown()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _own_butterfly_rounds(args, node, mine, check, wire_bytes, dht_pid) -> list[dict]:
+    """The ``butterfly`` implementation's rounds (see the module docstring)."""
+    import torch
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from dtrain.swarm.averaging import AveragingConfig
+    from dtrain.swarm.averaging.settings import part_size_for
+    from dtrain.swarm.butterfly import ButterflyService, Membership
+    from dtrain.swarm.codecs import part_codec
+    from dtrain.swarm.transport import Transport
+
+    cfg = AveragingConfig()
+    codec = part_codec(args.wire or cfg.compression)
+    part_bytes = args.part_size_bytes or part_size_for(mine.numel() * 4)
+    part_values = max(1, part_bytes // 4)
+    transport = Transport(node.dht, prefix=f"bench_butterfly_{args.peers}").start()
+    service = ButterflyService(transport, start_timeout_s=60)
+    meter = CpuMeter(os.getpid(), dht_pid)
+    key = f"bench_butterfly_{args.peers}_members"
+    peers: list[str] = []
+    deadline = time.monotonic() + WORKER_MATCHMAKING_TIMEOUT_S
+    while len(peers) < args.peers and time.monotonic() < deadline:
+        node.dht.store(key, subkey=transport.peer_id, value=args.index, expiration_time=get_dht_time() + 600)
+        found = node.dht.get(key, latest=True)
+        members = found.value if found is not None and isinstance(found.value, dict) else {}
+        peers = [p for p, _ in sorted(((p, v.value) for p, v in members.items()), key=lambda item: item[1])]
+        time.sleep(0.5)
+    if len(peers) < args.peers:
+        raise SystemExit(f"only {len(peers)} of {args.peers} butterfly members showed up")
+    num_parts = -(-mine.numel() // part_values)
+    shares = tuple(num_parts // args.peers + (k < num_parts % args.peers) for k in range(args.peers))
+    rows = []
+    try:
+        for r in range(-args.warmup, args.rounds):
+            data = mine.clone()
+            parts = list(data.split(part_values))
+            membership = Membership(f"bench-{r}", tuple(peers), senders=tuple(range(args.peers)),
+                                    weights=(1.0,) * args.peers, shares=shares)
+            # every member starts at the same instant (CLOCK_MONOTONIC is one clock for all namespaces)
+            start = (int(time.monotonic()) // 2 + 2) * 2.0
+            time.sleep(max(0.0, start - time.monotonic()))
+            cpu_start, wire_start = meter.snapshot(), wire_bytes()
+            t0 = time.monotonic()
+            outcome = transport.run(service.run(membership, parts, codec, sender_timeout_s=args.sender_timeout,
+                                                reducer_timeout_s=60.0), timeout_s=600)
+            t1 = time.monotonic()
+            cpu = meter.delta(cpu_start, meter.snapshot())
+            wire_end = wire_bytes()
+            time.sleep(1.0)  # the slower members' last replies, before the next round's clock
+            if r < 0:
+                continue
+            ok = not outcome.failed_reducers and not outcome.banned and not outcome.unaveraged_parts
+            rows.append(dict(impl="butterfly", round=r, seconds=t1 - t0, t_start=t0, t_end=t1, ok=ok,
+                             cpu_allreduce=cpu, cpu_round=cpu, bytes_sent=outcome.bytes_sent,
+                             bytes_received=outcome.bytes_received, wire_tx=wire_end[0] - wire_start[0],
+                             wire_rx=wire_end[1] - wire_start[1],
+                             error="; ".join(f"reducer {k}: {why}" for k, why in outcome.failed_reducers.items()),
+                             **check(data, exact_mean=codec.name == "none")))
+    finally:
+        time.sleep(LINGER_S)
+        transport.shutdown()
+    return rows
 
 
 # ------------------------------------------------------------------------------------------
@@ -528,7 +599,7 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
     for impl in impls.split(","):
         summary[impl] = summarize_impl([row for res in results for row in res if row["impl"] == impl],
                                        rounds, size_mb, bound,
-                                       exact_mean=impl == "hivemind" or (impl == "dtrain-mean" and lossless),
+                                       exact_mean=impl == "hivemind" or (impl in ("dtrain-mean", "butterfly") and lossless),
                                        identical=impl != "hivemind", payload=2.0 * size_bytes * (peers - 1) / peers)
         # bytes each peer moves per direction over the median time: the link rate at efficiency 1
         summary[impl]["busbw_mbit"] = rate_mbit * summary[impl]["efficiency"]
@@ -539,7 +610,7 @@ def run_group(peers: int, size_mb: float, rate_mbit: float, rounds: int, impls: 
         summary[impl]["own_bound_s"] = own_bound
         summary[impl]["efficiency_own_bytes"] = (own_bound / summary[impl]["seconds"]
                                                  if own_bound and summary[impl]["seconds"] > 0 else None)
-    for impl in ("dtrain", "dtrain-mean"):
+    for impl in ("dtrain", "dtrain-mean", "butterfly"):
         if impl in summary and "hivemind" in summary:
             summary[f"{impl}_vs_hivemind_speedup"] = summary["hivemind"]["seconds"] / summary[impl]["seconds"]
     return summary
@@ -643,7 +714,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--impls", default="dtrain,dtrain-mean,hivemind",
                     help="dtrain: what `dtrain mine` ships (centered_clip, work commitments); dtrain-mean: the "
-                         "ablation (weighted mean, no commitments); hivemind: stock DecentralizedAverager")
+                         "ablation (weighted mean, no commitments); butterfly: dtrain's own butterfly over a fixed "
+                         "group (weighted mean, no checks yet); hivemind: stock DecentralizedAverager")
     ap.add_argument("--part-size-bytes", type=int, default=0,
                     help="dtrain part size; 0 (default): the production rule, settings.part_size_for (hivemind "
                          "keeps its default)")

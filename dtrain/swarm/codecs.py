@@ -123,3 +123,76 @@ _WIRE_FORMATS = {"none": "fp32", "fp16": "fp16", "8bit": f"blockwise-absmax-int8
 def wire_format(name: str) -> str:
     """A stable description of what a compression setting sends (for the swarm fingerprint)."""
     return _WIRE_FORMATS[canonical_compression(name)]
+
+
+class PartCodec:
+    """How one part (a flat float32 tensor) travels in dtrain's own butterfly: ``encode`` gives
+    the wire bytes, ``decode`` the float32 values a receiver reads from them (ValueError for
+    bytes that are not such a part). Deterministic, so a part's bytes are the evidence of what
+    was sent. ``name`` is the canonical setting, ``wire`` its format (``wire_format``)."""
+
+    def __init__(self, name: str, encode, decode):
+        self.name, self.wire = name, wire_format(name)
+        self._encode, self._decode = encode, decode
+
+    def encode(self, part) -> bytes:
+        return self._encode(part.detach().reshape(-1).float().cpu())
+
+    def decode(self, data: bytes, length: int):
+        try:
+            values = self._decode(bytes(data), int(length))
+        except ValueError:
+            raise
+        except Exception as exc:  # a hostile buffer must be a refusal, never another error type
+            raise ValueError(f"{type(exc).__name__}: {exc}"[:200]) from None
+        if values.numel() != length:
+            raise ValueError(f"{values.numel()} values, expected {length}")
+        return values
+
+    def round_trip(self, part):
+        """What a receiver decodes of ``part`` (the part itself when the codec is exact)."""
+        if self.name == "none":
+            return part
+        return self.decode(self.encode(part), part.numel())
+
+
+def _exact_bytes(dtype: str):
+    limit = float(np.finfo(dtype).max)
+
+    def encode(flat) -> bytes:
+        # clipped to the type's range: a value past it would travel as infinity
+        return np.clip(flat.numpy(), -limit, limit).astype(dtype).tobytes()
+
+    def decode(data: bytes, length: int):
+        import torch
+
+        size = np.dtype(dtype).itemsize
+        if len(data) != size * length:
+            raise ValueError(f"a {dtype} part of {length} values must be {size * length} bytes, got {len(data)}")
+        return torch.from_numpy(np.frombuffer(data, dtype=dtype).astype(np.float32))
+
+    return encode, decode
+
+
+def _blockwise(codec):
+    def encode(flat) -> bytes:
+        return codec.encode(flat)[0]
+
+    def decode(data: bytes, length: int):
+        return codec.decode(data, (length,), "float32")
+
+    return encode, decode
+
+
+def part_codec(name: str) -> PartCodec:
+    """The part codec of a compression setting; ValueError for a setting dtrain's own butterfly
+    does not carry (hivemind's single-codebook 8-bit codecs, kept only for experiments)."""
+    from dtrain.swarm.ternary import BlockwiseTernary
+
+    key = canonical_compression(name)
+    coders = {"none": _exact_bytes("<f4"), "fp16": _exact_bytes("<f2"), "8bit": _blockwise(BlockwiseAbsmax8Bit),
+              "ternary": _blockwise(BlockwiseTernary)}
+    if key not in coders:
+        raise ValueError(f"compression {name!r} is hivemind's codec; dtrain's butterfly carries none, fp16, 8bit "
+                         "and ternary")
+    return PartCodec(key, *coders[key])

@@ -1,0 +1,139 @@
+"""dtrain's own butterfly over a fixed group (dtrain/swarm/butterfly.py), with real peers:
+every peer a real hivemind DHT with its own p2pd on loopback, talking dtrain's protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtrain.swarm.butterfly import ButterflyService, Membership, MembershipError
+from dtrain.swarm.codecs import part_codec
+from dtrain.swarm.loopback import local_nodes, run_concurrently
+from dtrain.swarm.transport import Transport
+
+PART = 1000  # values per part
+
+
+@pytest.fixture(scope="module")
+def four():
+    """Four real peers, shared by this module's rounds (each round has an id of its own)."""
+    with local_nodes(4) as nodes:
+        transports = [Transport(node.dht, prefix="test").start() for node in nodes]
+        try:
+            yield [ButterflyService(t, start_timeout_s=10) for t in transports]
+        finally:
+            for t in transports:
+                t.shutdown()
+
+
+def vectors(n: int, num_parts: int, seed: int = 0) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(PART, generator=gen) for _ in range(num_parts)] for _ in range(n)]
+
+
+def run_all(svcs, membership, parts, codec="none", who=None, **options):
+    options = {"sender_timeout_s": 10.0, "reducer_timeout_s": 10.0, **options}
+    who = range(len(svcs)) if who is None else who
+
+    def one(i):
+        return svcs[i].transport.run(svcs[i].run(membership, parts[i], part_codec(codec), **options), timeout_s=60)
+
+    return dict(zip(who, run_concurrently([lambda i=i: one(i) for i in who], timeout_s=90)))
+
+
+@pytest.mark.slow
+def test_every_member_holds_the_same_weighted_mean_and_a_weight_0_member_receives_it(four):
+    svcs = four
+    peers = tuple(s.transport.peer_id for s in svcs)
+    # member 3 is a validator: it sends nothing and reduces nothing, but receives every part
+    membership = Membership("r1", peers, senders=(0, 1, 2), weights=(1.0, 2.0, 5.0), shares=(3, 2, 2, 0))
+    parts = vectors(4, membership.num_parts)
+    originals = [[p.clone() for p in member] for member in parts[:3]]
+    expected = [(1 * originals[0][g] + 2 * originals[1][g] + 5 * originals[2][g]) / 8
+                for g in range(membership.num_parts)]
+    outcomes = run_all(svcs, membership, parts)
+    for i in range(4):
+        assert outcomes[i].banned == {} and outcomes[i].failed_reducers == {}
+        assert outcomes[i].unaveraged_parts == set()
+        for g in range(membership.num_parts):
+            torch.testing.assert_close(parts[i][g], expected[g], rtol=1e-5, atol=1e-6)
+            assert torch.equal(parts[i][g], parts[0][g])  # the same bits everywhere
+
+
+@pytest.mark.slow
+def test_with_the_8bit_wire_every_member_holds_the_same_bits(four):
+    svcs = four[:3]
+    peers = tuple(s.transport.peer_id for s in svcs)
+    membership = Membership("r8", peers, senders=(0, 1, 2), weights=(1.0, 1.0, 1.0), shares=(2, 2, 2))
+    parts = vectors(3, membership.num_parts, seed=1)
+    mean = [sum(parts[i][g] for i in range(3)) / 3 for g in range(membership.num_parts)]
+    outcomes = run_all(svcs, membership, parts, codec="8bit")
+    assert all(o.failed_reducers == {} and o.banned == {} for o in outcomes.values())
+    for g in range(membership.num_parts):
+        assert torch.equal(parts[0][g], parts[1][g]) and torch.equal(parts[1][g], parts[2][g])
+        # each leg of the wire within the codec's bound (docs/swarm.md, "Wire compression")
+        assert float((parts[0][g] - mean[g]).norm() / mean[g].norm()) < 0.08
+
+
+@pytest.mark.slow
+def test_a_member_that_never_comes_is_left_out_and_its_share_keeps_local_values(four):
+    svcs = four
+    peers = tuple(s.transport.peer_id for s in svcs)
+    membership = Membership("r-absent", peers, senders=(0, 1, 2, 3), weights=(1.0,) * 4, shares=(2, 2, 2, 2))
+    parts = vectors(4, membership.num_parts, seed=2)
+    originals = [[p.clone() for p in member] for member in parts]
+    outcomes = run_all(svcs, membership, parts, who=[0, 1, 2], sender_timeout_s=3.0, reducer_timeout_s=5.0)
+    absent_share = range(*membership.share_of(3))
+    for i in (0, 1, 2):
+        outcome = outcomes[i]
+        assert set(outcome.failed_reducers) == {3}
+        assert outcome.unaveraged_parts == set(absent_share)
+        assert 3 in outcome.banned  # its own reducer left it out of its share
+        for g in range(membership.num_parts):
+            if g in absent_share:
+                assert torch.equal(parts[i][g], originals[i][g])
+            else:
+                mean = sum(originals[m][g] for m in (0, 1, 2)) / 3
+                torch.testing.assert_close(parts[i][g], mean, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_centered_clip_bounds_an_outlier_and_every_member_still_holds_the_same_bits(four):
+    peers = tuple(s.transport.peer_id for s in four)
+    membership = Membership("r-clip", peers, senders=(0, 1, 2, 3), weights=(1.0,) * 4, shares=(1, 1, 1, 1))
+    parts = vectors(4, membership.num_parts, seed=3)
+    honest = [sum(parts[i][g] for i in range(3)) / 3 for g in range(4)]
+    parts[3] = [p * 1000 for p in parts[3]]  # one sender 1000 times out of scale
+    outcomes = run_all(four, membership, parts, robust=True)
+    assert all(o.failed_reducers == {} for o in outcomes.values())
+    for g in range(4):
+        assert all(torch.equal(parts[i][g], parts[0][g]) for i in range(4))
+        # the weighted mean would be about 250 times the honest mean; CenteredClip stays near it
+        assert float((parts[0][g] - honest[g]).norm() / honest[g].norm()) < 2.0
+
+
+def test_a_membership_that_breaks_its_rules_is_refused():
+    with pytest.raises(MembershipError, match="distinct members"):
+        Membership("r", ("a", "a"), senders=(0,), weights=(1.0,), shares=(1, 1))
+    with pytest.raises(MembershipError, match="one finite weight"):
+        Membership("r", ("a", "b"), senders=(0, 1), weights=(1.0,), shares=(1, 1))
+    with pytest.raises(MembershipError, match="one finite weight"):
+        Membership("r", ("a", "b"), senders=(0, 1), weights=(1.0, float("nan")), shares=(1, 1))
+    with pytest.raises(MembershipError, match="distinct members"):
+        Membership("r", ("a", "b"), senders=(0, 2), weights=(1.0, 1.0), shares=(1, 1))
+    m = Membership("r", ("a", "b", "c"), senders=(0, 2), weights=(1.0, 1.0), shares=(2, 0, 3))
+    assert m.num_parts == 5 and m.share_of(2) == (2, 5) and m.sender_index(2) == 1 and m.sender_index(1) is None
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "8bit", "ternary"])
+def test_part_codecs_round_trip_and_refuse_bytes_of_another_length(name):
+    codec = part_codec(name)
+    part = torch.randn(777)
+    wire = codec.encode(part)
+    decoded = codec.decode(wire, 777)
+    assert decoded.shape == (777,) and decoded.dtype == torch.float32
+    assert torch.equal(codec.decode(codec.encode(part), 777), decoded)  # deterministic
+    with pytest.raises(ValueError):
+        codec.decode(wire[:-1], 777)
+    with pytest.raises(ValueError, match="hivemind's codec"):
+        part_codec("8bit-uniform")
