@@ -88,3 +88,21 @@ def drive_prompts(argv: list[str], answers: list[str], env: dict | None = None) 
             answered_at = len(transcript)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), transcript.decode(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def four_peers():
+    """Four real peers on loopback (each a hivemind DHT with its own p2pd), each with dtrain's
+    transport and butterfly service started, shared by the tests of the fixed-membership round
+    (each of their rounds has an id of its own)."""
+    from dtrain.swarm.butterfly import ButterflyService
+    from dtrain.swarm.loopback import local_nodes
+    from dtrain.swarm.transport import Transport
+
+    with local_nodes(4) as nodes:
+        transports = [Transport(node.dht, prefix="test").start() for node in nodes]
+        try:
+            yield [ButterflyService(t, start_timeout_s=10) for t in transports]
+        finally:
+            for t in transports:
+                t.shutdown()

@@ -8,22 +8,14 @@ import torch
 
 from dtrain.swarm.butterfly import ButterflyService, Membership, MembershipError
 from dtrain.swarm.codecs import part_codec
-from dtrain.swarm.loopback import local_nodes, run_concurrently
-from dtrain.swarm.transport import Transport
+from dtrain.swarm.loopback import run_concurrently
 
 PART = 1000  # values per part
 
 
-@pytest.fixture(scope="module")
-def four():
-    """Four real peers, shared by this module's rounds (each round has an id of its own)."""
-    with local_nodes(4) as nodes:
-        transports = [Transport(node.dht, prefix="test").start() for node in nodes]
-        try:
-            yield [ButterflyService(t, start_timeout_s=10) for t in transports]
-        finally:
-            for t in transports:
-                t.shutdown()
+@pytest.fixture
+def four(four_peers):
+    return four_peers
 
 
 def vectors(n: int, num_parts: int, seed: int = 0) -> list[list[torch.Tensor]]:
