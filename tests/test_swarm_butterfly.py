@@ -129,3 +129,45 @@ def test_part_codecs_round_trip_and_refuse_bytes_of_another_length(name):
         codec.decode(wire[:-1], 777)
     with pytest.raises(ValueError, match="hivemind's codec"):
         part_codec("8bit-uniform")
+
+
+@pytest.mark.slow
+def test_a_second_stream_of_the_same_member_is_refused_and_its_parts_count_once(four):
+    import asyncio
+    import contextlib
+    import struct
+
+    import msgpack
+
+    from dtrain.swarm.butterfly import AVERAGE, OPEN, PART, PROTOCOL, REFUSED
+    from dtrain.swarm.transport import read_frame, write_frame
+
+    reducer, member = four[0], four[1]
+    membership = Membership("r-twice", (reducer.transport.peer_id, member.transport.peer_id), senders=(0, 1),
+                            weights=(1.0, 1.0), shares=(1, 0))
+    ours, theirs = torch.ones(PART), torch.full((PART,), 3.0)
+    codec = part_codec("none")
+
+    async def member_side():
+        async def stream():
+            reader, writer = await member.transport.open(reducer.transport.peer_id, PROTOCOL)
+            await write_frame(writer, OPEN, msgpack.packb({"r": "r-twice", "m": 1}))
+            return reader, writer
+
+        reader, writer = await stream()
+        await write_frame(writer, PART, struct.pack("<I", 0) + codec.encode(theirs))
+        first = await asyncio.wait_for(read_frame(reader), 10)  # the average, from the one stream served
+        reader2, writer2 = await stream()
+        with contextlib.suppress(ConnectionError):  # the reducer may have closed it already
+            await write_frame(writer2, PART, struct.pack("<I", 0) + codec.encode(theirs))
+        second = await asyncio.wait_for(read_frame(reader2), 10)
+        writer.close()
+        writer2.close()
+        return second, first
+
+    running = reducer.transport.submit(reducer.run(membership, [ours], codec, sender_timeout_s=5, reducer_timeout_s=5))
+    second, first = member.transport.run(member_side(), timeout_s=30)
+    outcome = running.result(timeout=30)
+    assert second.kind == REFUSED and b"already has a stream" in second.payload
+    assert first.kind == AVERAGE and outcome.banned == {}
+    assert torch.equal(ours, torch.full((PART,), 2.0))  # (1 + 3) / 2: the member's part counted once

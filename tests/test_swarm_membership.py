@@ -14,7 +14,7 @@ from dtrain.swarm.butterfly import Membership, MembershipError
 from dtrain.swarm.codecs import part_codec
 from dtrain.swarm.loopback import run_concurrently
 from dtrain.swarm.membership import (
-    Announcer, Declaration, SignedMembership, declare, equal_shares, sign,
+    Announcer, Declaration, SignedMembership, announcer_order, declare, equal_shares, sign,
 )
 
 NUM_PARTS = 6
@@ -120,3 +120,13 @@ def test_equal_shares_go_to_the_members_that_reduce():
     assert equal_shares([False, True, True, True], 10) == (0, 4, 3, 3)
     assert equal_shares([False, False], 3) == (2, 1)  # nobody offered: everyone reduces
     assert sum(equal_shares([True] * 7, 1000)) == 1000
+
+
+def test_every_peer_derives_the_same_announcer_and_the_duty_rotates():
+    validators = [f"5Validator{i}" for i in range(5)]
+    first = announcer_order("run", 12, validators)
+    assert first == announcer_order("run", 12, list(reversed(validators)) + validators[:2])  # order-free, deduplicated
+    assert sorted(first) == sorted(validators)
+    leaders = {announcer_order("run", e, validators)[0] for e in range(60)}
+    assert len(leaders) == 5  # over 60 epochs every validator announces some
+    assert announcer_order("other-run", 12, validators) != first or announcer_order("run", 13, validators) != first

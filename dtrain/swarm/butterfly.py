@@ -125,7 +125,8 @@ class _Share:
         loop = asyncio.get_running_loop()
         # per part of the share: (decoded result or None, its wire bytes or b"")
         self.results: list[asyncio.Future] = [loop.create_future() for _ in self.sizes]
-        self.connected: set[int] = set()
+        self.connected: set[int] = set()  # senders whose parts come in (or ours, for our own)
+        self.streams: set[int] = set()  # members with a stream open to us
         self.done = asyncio.Event()
         if not self.sizes:
             self.done.set()
@@ -219,6 +220,10 @@ class ButterflyService:
         if not 0 <= member < len(membership.peers) or membership.peers[member] != peer:
             await write_frame(writer, REFUSED, f"{peer} is not member #{member} of round {round_id}".encode())
             return
+        if member in share.streams:  # a second stream would count the same sender's parts twice
+            await write_frame(writer, REFUSED, f"member #{member} already has a stream in round {round_id}".encode())
+            return
+        share.streams.add(member)
         sender = membership.sender_index(member)
         replies = asyncio.create_task(self._reply(share, writer))
         try:

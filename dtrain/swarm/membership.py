@@ -12,6 +12,10 @@ list. Every member averages with exactly that group (dtrain.swarm.butterfly).
 A peer that declares after the window, or for another epoch, is told so and sits the round out:
 it is not a member, so nobody waits for it and nobody can hold it at fault for the round.
 
+Several validators agree on one group without a master: the announcer of each epoch's round
+follows from the chain alone (``announcer_order``), and the other validators declare to it
+as members of weight 0, so every validator averages in the one group and receives the result.
+
 Frames of ``declare``: member -> announcer ``DECLARE`` (msgpack map, below); announcer -> member
 ``MEMBERS`` (the signed membership's bytes) or ``NOT_MEMBER`` (a UTF-8 reason).
 """
@@ -140,6 +144,19 @@ def sign(membership: Membership, epoch: int, gathers: Sequence[bytes], wallet) -
     unsigned = SignedMembership(membership, int(epoch), signer.ss58_address, tuple(bytes(g) for g in gathers))
     return SignedMembership(membership, unsigned.epoch, unsigned.announcer, unsigned.gathers,
                             bytes(signer.sign(unsigned.payload())))
+
+
+def announcer_order(run_id: str, epoch: int, validators: Sequence[str]) -> list[str]:
+    """The validators (hotkeys) in the order they announce epoch ``epoch``'s round: the first
+    announces it, and the next is asked only when the first opens no window. Every peer computes
+    the same order from the chain's validators alone, so several validators agree on one group
+    without talking to each other, and the duty rotates from epoch to epoch."""
+    import hashlib
+
+    def rank(hotkey: str) -> bytes:
+        return hashlib.sha256(f"dtrain/announcer/v1:{run_id}:{int(epoch)}:{hotkey}".encode()).digest()
+
+    return sorted(set(validators), key=lambda hotkey: (rank(hotkey), hotkey))
 
 
 def equal_shares(reduces: Sequence[bool], num_parts: int) -> tuple[int, ...]:
