@@ -171,3 +171,69 @@ def test_a_second_stream_of_the_same_member_is_refused_and_its_parts_count_once(
     assert second.kind == REFUSED and b"already has a stream" in second.payload
     assert first.kind == AVERAGE and outcome.banned == {}
     assert torch.equal(ours, torch.full((PART,), 2.0))  # (1 + 3) / 2: the member's part counted once
+
+
+class _Tagged:
+    """Round checks that tag what they send and refuse what carries a chosen tag: the
+    butterfly's plumbing of heads, notes and verdicts, seen from every member."""
+
+    def __init__(self, me, refuse_head=b"", bad_note_of=None):
+        from dtrain.swarm.butterfly import RoundChecks
+
+        self.me, self.refuse_head, self.bad_note_of = me, refuse_head, bad_note_of
+        self.heads, self.reply_heads = {}, {}
+        outer = self
+
+        class Checks(RoundChecks):
+            def head_for(self, reducer):
+                return f"head-of-{outer.me}".encode()
+
+            def accept_head(self, sender, head):
+                outer.heads[sender] = head
+                return "its head is refused" if head == outer.refuse_head else ""
+
+            def reply_head(self):
+                return f"reply-of-{outer.me}".encode()
+
+            def note(self, j):
+                return b"bad" if (outer.me, j) == outer.bad_note_of else f"note-{j}".encode()
+
+            def read_reply_head(self, reducer, head):
+                outer.reply_heads[reducer] = head
+                return ""
+
+            def check(self, reducer, j, part, note):
+                return "its note is bad" if note == b"bad" else ""
+
+        self.checks = Checks()
+
+
+@pytest.mark.slow
+def test_heads_and_notes_travel_and_the_checks_verdicts_leave_out_a_sender_and_zero_a_reducer(four):
+    peers = tuple(s.transport.peer_id for s in four)
+    membership = Membership("r-checks", peers, senders=(0, 1, 2, 3), weights=(1.0,) * 4, shares=(2, 2, 2, 0))
+    parts = vectors(4, membership.num_parts, seed=4)
+    originals = [[p.clone() for p in member] for member in parts]
+    # every member refuses member 3's head; member 1's note of its second part is refused by all
+    tagged = [_Tagged(i, refuse_head=b"head-of-3", bad_note_of=(1, 1)) for i in range(4)]
+
+    def one(i):
+        svc = four[i]
+        return svc.transport.run(svc.run(membership, parts[i], part_codec("none"), sender_timeout_s=10,
+                                         reducer_timeout_s=10, checks=tagged[i].checks), timeout_s=60)
+
+    outcomes = run_concurrently([lambda i=i: one(i) for i in range(4)], timeout_s=90)
+    for i, outcome in enumerate(outcomes):
+        reducers = [k for k in range(3) if k != i]
+        assert {k: tagged[i].reply_heads[k] for k in reducers} == {k: f"reply-of-{k}".encode() for k in reducers}
+        if i < 3:
+            assert outcome.banned == {3: "its head is refused"}
+            assert tagged[i].heads == {s: f"head-of-{s}".encode() for s in range(4) if s != i}
+        assert set(outcome.refused_reducers) == ({1} if i != 1 else set())
+        assert outcome.zeroed_parts == ({3} if i != 1 else set())
+        for g in range(membership.num_parts):
+            if g == 3 and i != 1:
+                assert torch.equal(parts[i][g], torch.zeros(PART))  # the refused reducer's rest: zeros
+            else:
+                mean = sum(originals[m][g] for m in range(3)) / 3  # member 3's contribution left out
+                torch.testing.assert_close(parts[i][g], mean, rtol=1e-5, atol=1e-6)

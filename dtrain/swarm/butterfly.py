@@ -9,12 +9,20 @@ bits. Nobody waits for a group to form: the membership is the group.
 
 The protocol ``butterfly`` (dtrain.swarm.transport), one stream per (member, reducer):
 
-- member -> reducer: ``OPEN`` (msgpack ``{"r": round id, "m": member index}``), then, from a
-  sender, one ``PART`` per part of the reducer's share, in order: u32 part index within the
-  share, then the part's wire bytes (dtrain.swarm.codecs.PartCodec);
-- reducer -> member: one ``AVERAGE`` per part, in order: u32 part index, then the result's wire
-  bytes, or nothing when the part has no result (every sender of it failed: the member keeps its
-  own values); or ``REFUSED`` (a UTF-8 reason) for a stream it does not serve.
+- member -> reducer: ``OPEN`` (msgpack ``{"r": round id, "m": member index, "h": head bytes}``),
+  then, from a sender, one ``PART`` per part of the reducer's share, in order: u32 part index
+  within the share, then the part's wire bytes (dtrain.swarm.codecs.PartCodec);
+- reducer -> member: ``REPLY_HEAD`` (its bytes) when the round's checks give one, then one
+  ``AVERAGE`` per part, in order: u32 part index, u32 note length, the note (the part's account),
+  then the result's wire bytes, or no bytes when the part has no result (every sender of it
+  failed: the member keeps its own values); or ``REFUSED`` (a UTF-8 reason) for a stream it does
+  not serve.
+
+What the heads and notes say, and what refuses a sender or a reducer, is the round's business
+(:class:`RoundChecks`; the base class checks nothing): the butterfly only carries them and acts
+on the verdicts. A sender refused by a check is left out of the reducer's share; a reducer
+refused by a check leaves *zeros* for the rest of its share on the receiver, not the receiver's
+own values, so every receiver of the same bytes holds the same vector.
 
 Failures are each member's own: a sender that does not deliver a part within
 ``sender_timeout_s`` is left out of the rest of the reducer's share (``banned``), and a reducer
@@ -39,7 +47,7 @@ from dtrain.swarm.transport import Frame, Transport, TransportError, read_frame,
 logger = logging.getLogger(__name__)
 
 PROTOCOL = "butterfly"
-OPEN, PART, AVERAGE, REFUSED = 1, 2, 3, 4
+OPEN, PART, AVERAGE, REFUSED, REPLY_HEAD = 1, 2, 3, 4, 5
 # How many of a sender's parts a reducer reads and decodes ahead of the part it reduces: the
 # sender's link keeps moving while the reducer waits for the slowest sender of the current part.
 PREFETCH = 4
@@ -91,6 +99,45 @@ class Membership:
         return self.senders.index(member) if member in self.senders else None
 
 
+class RoundChecks:
+    """What one round checks of what it sends, reduces and receives. Each method returns a reason
+    ("" for none); the base class checks nothing and says nothing (the plain weighted butterfly)."""
+
+    # -- as a sender
+    def head_for(self, reducer: int) -> bytes:
+        """Bytes our stream to ``reducer`` opens with (our claims for its share)."""
+        return b""
+
+    # -- as a reducer
+    def accept_head(self, sender: int, head: bytes) -> str:
+        """A reason refuses the sender before any of its parts is read."""
+        return ""
+
+    def inspect(self, sender: int, j: int, part: torch.Tensor, wire: bytes) -> str:
+        """Worker thread, as part ``j`` of our share arrives decoded: a reason leaves the sender out."""
+        return ""
+
+    def reply_head(self) -> bytes:
+        """Bytes ahead of our first result, to every member (the senders' claims, forwarded)."""
+        return b""
+
+    def note(self, j: int) -> bytes:
+        """Bytes with our result of part ``j`` (its account)."""
+        return b""
+
+    # -- as a receiver
+    def read_reply_head(self, reducer: int, head: bytes) -> str:
+        """A reason refuses the reducer (the rest of its share becomes zeros)."""
+        return ""
+
+    def check(self, reducer: int, j: int, part: torch.Tensor, note: bytes) -> str:
+        """Before a reducer's result of part ``j`` of its share is applied: a reason refuses the reducer."""
+        return ""
+
+
+NO_CHECKS = RoundChecks()
+
+
 @dataclass
 class ButterflyOutcome:
     """What one member's butterfly did, from its own view."""
@@ -98,6 +145,8 @@ class ButterflyOutcome:
     banned: dict[int, str] = field(default_factory=dict)  # sender index -> why our reducer left it out
     failed_reducers: dict[int, str] = field(default_factory=dict)  # member -> why its share kept our values
     unaveraged_parts: set = field(default_factory=set)  # global parts that hold our local values
+    refused_reducers: dict[int, str] = field(default_factory=dict)  # member -> why a check refused its results
+    zeroed_parts: set = field(default_factory=set)  # global parts of refused reducers, zeros here
     bytes_sent: int = 0
     bytes_received: int = 0
     duration_s: float = 0.0
@@ -106,24 +155,24 @@ class ButterflyOutcome:
         total = sum(sizes)
         if not total:
             return 1.0
-        return 1.0 - sum(sizes[g] for g in self.unaveraged_parts) / total
+        return 1.0 - sum(sizes[g] for g in self.unaveraged_parts | self.zeroed_parts) / total
 
 
 class _Share:
     """Our share of one round, as its reducer: the senders' parts in, the results out."""
 
     def __init__(self, membership: Membership, me: int, sizes: Sequence[int], codec: PartCodec, robust: bool,
-                 sender_timeout_s: float, outcome: ButterflyOutcome):
+                 sender_timeout_s: float, checks: RoundChecks, outcome: ButterflyOutcome):
         from dtrain.swarm.averaging.reducer import CheckedReducer
 
-        self.membership, self.me, self.codec, self.outcome = membership, me, codec, outcome
+        self.membership, self.me, self.codec, self.checks, self.outcome = membership, me, codec, checks, outcome
         self.first, self.end = membership.share_of(me)
         self.sizes = list(sizes[self.first:self.end])
         self.sender_timeout_s = sender_timeout_s
         self.reducer = CheckedReducer(tuple(torch.Size([n]) for n in self.sizes), len(membership.senders),
                                       membership.weights, robust=robust)
         loop = asyncio.get_running_loop()
-        # per part of the share: (decoded result or None, its wire bytes or b"")
+        # per part of the share: (decoded result or None, its wire bytes or b"", its note)
         self.results: list[asyncio.Future] = [loop.create_future() for _ in self.sizes]
         self.connected: set[int] = set()  # senders whose parts come in (or ours, for our own)
         self.streams: set[int] = set()  # members with a stream open to us
@@ -143,12 +192,7 @@ class _Share:
 
     async def add(self, sender: int, j: int, part: torch.Tensor) -> None:
         """Reduce a sender's part ``j`` (waits until the reducer reached it); the result is published once."""
-        from dtrain.swarm.averaging.reducer import ReducerFinished, SenderBanned
-
-        try:
-            averaged = await self.reducer.accumulate_part(sender, j, part)
-        except (SenderBanned, ReducerFinished):
-            raise
+        averaged = await self.reducer.accumulate_part(sender, j, part)
         await self._publish(j, averaged)
 
     async def _publish(self, j: int, averaged: torch.Tensor) -> None:
@@ -156,14 +200,14 @@ class _Share:
         if future.done():
             return
         if not bool(torch.isfinite(averaged).all()):  # no sender delivered this part: no result
-            future.set_result((None, b""))
+            future.set_result((None, b"", b""))
         else:
             loop = asyncio.get_running_loop()
             wire = await loop.run_in_executor(None, self.codec.encode, averaged)
             if future.done():
                 return
             received = averaged if self.codec.name == "none" else self.codec.decode(wire, averaged.numel())
-            future.set_result((received, wire))
+            future.set_result((received, wire, self.checks.note(j)))
         if all(f.done() for f in self.results):
             self.done.set()
 
@@ -171,7 +215,7 @@ class _Share:
         """At the end: parts no sender completed have no result (every member keeps its own)."""
         for future in self.results:
             if not future.done():
-                future.set_result((None, b""))
+                future.set_result((None, b"", b""))
         self.done.set()
 
 
@@ -208,9 +252,9 @@ class ButterflyService:
         opening = await asyncio.wait_for(read_frame(reader), self.start_timeout_s)
         try:
             head = msgpack.unpackb(opening.payload, raw=False) if opening.kind == OPEN else None
-            round_id, member = str(head["r"]), int(head["m"])
+            round_id, member, sender_head = str(head["r"]), int(head["m"]), bytes(head.get("h", b""))
         except Exception:
-            await write_frame(writer, REFUSED, b"the stream must open with OPEN {r, m}")
+            await write_frame(writer, REFUSED, b"the stream must open with OPEN {r, m, h}")
             return
         share = await self._share_for(round_id, self.start_timeout_s)
         if share is None:
@@ -229,15 +273,23 @@ class ButterflyService:
         try:
             if sender is not None:
                 share.connected.add(sender)
-                await self._take_parts(share, sender, reader)
+                reason = share.checks.accept_head(sender, sender_head)
+                if reason:
+                    share.fail_sender(sender, reason)
+                else:
+                    await self._take_parts(share, sender, reader)
             await replies
         finally:
             replies.cancel()
 
     async def _take_parts(self, share: _Share, sender: int, reader: asyncio.StreamReader) -> None:
-        """Read, decode (ahead, in a worker thread) and reduce a sender's parts, in order."""
+        """Read, decode and inspect (ahead, in a worker thread) and reduce a sender's parts, in order."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue(maxsize=PREFETCH)
+
+        def decode(j: int, wire: bytes, size: int):
+            part = share.codec.decode(wire, size)
+            return part, share.checks.inspect(sender, j, part, wire)
 
         async def read_parts() -> None:
             try:
@@ -246,8 +298,7 @@ class ButterflyService:
                     share.outcome.bytes_received += len(frame.payload) + 9
                     if frame.kind != PART or len(frame.payload) < 4 or struct.unpack_from("<I", frame.payload)[0] != j:
                         raise TransportError(f"expected part {j} of the share")
-                    part = loop.run_in_executor(None, share.codec.decode, frame.payload[4:], size)
-                    await queue.put(part)
+                    await queue.put(loop.run_in_executor(None, decode, j, frame.payload[4:], size))
             except asyncio.TimeoutError:
                 await queue.put(f"sent no part within {share.sender_timeout_s:g} s")
             except (TransportError, ConnectionError) as exc:
@@ -261,9 +312,12 @@ class ButterflyService:
                     share.fail_sender(sender, item)
                     return
                 try:
-                    part = await item
+                    part, reason = await item
                 except ValueError as exc:
                     share.fail_sender(sender, f"sent a malformed part: {exc}")
+                    return
+                if reason:
+                    share.fail_sender(sender, reason)
                     return
                 try:
                     await share.add(sender, j, part)
@@ -275,34 +329,42 @@ class ButterflyService:
 
     async def _reply(self, share: _Share, writer: asyncio.StreamWriter) -> None:
         for j, future in enumerate(share.results):
-            _, wire = await future
-            await write_frame(writer, AVERAGE, struct.pack("<I", j) + wire)
-            share.outcome.bytes_sent += len(wire) + 13
+            _, wire, note = await future
+            if j == 0:
+                # every sender still in the round has sent its head by now (they come before parts)
+                head = share.checks.reply_head()
+                if head:
+                    await write_frame(writer, REPLY_HEAD, head)
+                    share.outcome.bytes_sent += len(head) + 9
+            await write_frame(writer, AVERAGE, struct.pack("<II", j, len(note)) + note + wire)
+            share.outcome.bytes_sent += len(wire) + len(note) + 17
 
     # -- one member's round ------------------------------------------------------------------
     async def run(self, membership: Membership, parts: Sequence[torch.Tensor], codec: PartCodec, *,
-                  sender_timeout_s: float, reducer_timeout_s: float, robust: bool = False) -> ButterflyOutcome:
+                  sender_timeout_s: float, reducer_timeout_s: float, robust: bool = False,
+                  checks: RoundChecks = NO_CHECKS) -> ButterflyOutcome:
         """Average ``parts`` (flat float32, one per global part, written in place) with the group.
 
         The parts of a share whose reducer fails keep their local values; a member that does not
         send (weight 0, or not a sender) still receives every result. A reducer may wait
         ``sender_timeout_s`` for a late sender before it answers, through no fault of its own: it
         is late only past that plus ``reducer_timeout_s``. ``robust``: our share is combined with
-        CenteredClip instead of the weighted mean."""
+        CenteredClip instead of the weighted mean. ``checks``: the round's checks (RoundChecks)."""
         started = time.monotonic()
         me = membership.index(self.transport.peer_id)
         if len(parts) != membership.num_parts:
             raise MembershipError(f"{len(parts)} parts, the membership has {membership.num_parts}")
         sizes = [int(p.numel()) for p in parts]
         outcome = ButterflyOutcome()
-        share = _Share(membership, me, sizes, codec, robust, sender_timeout_s, outcome)
+        share = _Share(membership, me, sizes, codec, robust, sender_timeout_s, checks, outcome)
         self._shares[membership.round_id] = share
         arrived = self._arrivals.pop(membership.round_id, None)
         if arrived is not None:
             arrived.set()
         try:
             reply_wait_s = sender_timeout_s + reducer_timeout_s
-            tasks = [asyncio.create_task(self._with_reducer(membership, me, k, parts, codec, reply_wait_s, outcome))
+            tasks = [asyncio.create_task(self._with_reducer(membership, me, k, parts, codec, reply_wait_s, checks,
+                                                            outcome))
                      for k in range(len(membership.peers)) if k != me and membership.shares[k] > 0]
             tasks.append(asyncio.create_task(self._own_share(share, me, parts, sender_timeout_s)))
             await asyncio.gather(*tasks)
@@ -316,6 +378,7 @@ class ButterflyService:
         never open a stream are left out once the wait for them runs out."""
         loop = asyncio.get_running_loop()
         sender = share.membership.sender_index(me)
+        own_task = None
         if sender is not None:
             share.connected.add(sender)
 
@@ -327,8 +390,6 @@ class ButterflyService:
                     await share.add(sender, j, received)
 
             own_task = asyncio.create_task(own())
-        else:
-            own_task = None
 
         async def absentees() -> None:
             await asyncio.sleep(sender_timeout_s)
@@ -347,24 +408,26 @@ class ButterflyService:
         finally:
             watch.cancel()
         for j, future in enumerate(share.results):
-            received, _ = future.result()
+            received, _, _ = future.result()
             if received is None:
                 share.outcome.unaveraged_parts.add(share.first + j)
             else:
                 parts[share.first + j].copy_(received)
 
     async def _with_reducer(self, membership: Membership, me: int, k: int, parts: Sequence[torch.Tensor],
-                            codec: PartCodec, timeout_s: float, outcome: ButterflyOutcome) -> None:
+                            codec: PartCodec, timeout_s: float, checks: RoundChecks, outcome: ButterflyOutcome) -> None:
         """Send reducer ``k`` our parts of its share (if we send), and apply what it returns."""
         import msgpack
 
         first, end = membership.share_of(k)
         loop = asyncio.get_running_loop()
-        received = set()
+        received: set[int] = set()
         writer = None
         try:
             reader, writer = await asyncio.wait_for(self.transport.open(membership.peers[k], PROTOCOL), timeout_s)
-            await write_frame(writer, OPEN, msgpack.packb({"r": membership.round_id, "m": me}))
+            head = checks.head_for(k) if membership.sender_index(me) is not None else b""
+            await write_frame(writer, OPEN, msgpack.packb({"r": membership.round_id, "m": me, "h": head},
+                                                          use_bin_type=True))
 
             async def send() -> None:
                 if membership.sender_index(me) is None:
@@ -376,15 +439,25 @@ class ButterflyService:
 
             sending = asyncio.create_task(send())
             try:
-                for g in range(first, end):
+                g = first
+                while g < end:
                     frame = await asyncio.wait_for(read_frame(reader), timeout_s)
                     outcome.bytes_received += len(frame.payload) + 9
-                    self._apply(frame, g - first, parts[g], codec, received, g)
+                    if frame.kind == REPLY_HEAD and g == first:
+                        reason = checks.read_reply_head(k, frame.payload)
+                        if reason:
+                            raise _Refused(reason)
+                        continue
+                    if self._apply(frame, k, g - first, parts[g], codec, checks):
+                        received.add(g)
+                    g += 1
             finally:
                 if not sending.done():
                     sending.cancel()
                 else:
                     sending.result()
+        except _Refused as exc:
+            outcome.refused_reducers[k] = str(exc)
         except asyncio.TimeoutError:
             outcome.failed_reducers[k] = f"returned no part within {timeout_s:g} s"
         except (TransportError, ConnectionError, ValueError) as exc:
@@ -392,22 +465,47 @@ class ButterflyService:
         finally:
             if writer is not None:
                 writer.close()
-        outcome.unaveraged_parts.update(g for g in range(first, end) if g not in received)
-        if k in outcome.failed_reducers:
-            logger.warning("butterfly %s: reducer #%d failed (%s); its remaining parts keep our values",
-                           membership.round_id, k, outcome.failed_reducers[k])
+        missing = [g for g in range(first, end) if g not in received]
+        if k in outcome.refused_reducers:
+            # the same on every receiver of its bytes: zeros, never our own values
+            for g in missing:
+                parts[g].zero_()
+            outcome.zeroed_parts.update(missing)
+            logger.warning("butterfly %s: refused reducer #%d (%s); the rest of its share is zeros",
+                           membership.round_id, k, outcome.refused_reducers[k])
+        else:
+            outcome.unaveraged_parts.update(missing)
+            if k in outcome.failed_reducers:
+                logger.warning("butterfly %s: reducer #%d failed (%s); its remaining parts keep our values",
+                               membership.round_id, k, outcome.failed_reducers[k])
 
     @staticmethod
-    def _apply(frame: Frame, j: int, part: torch.Tensor, codec: PartCodec, received: set, g: int) -> None:
+    def _apply(frame: Frame, k: int, j: int, part: torch.Tensor, codec: PartCodec, checks: RoundChecks) -> bool:
+        """Apply reducer ``k``'s result of part ``j`` of its share: False when the part has no
+        result (ours stays), ``_Refused`` when a check refuses it."""
         if frame.kind == REFUSED:
             raise TransportError(f"refused the stream: {frame.payload.decode(errors='replace')[:200]}")
-        if frame.kind != AVERAGE or len(frame.payload) < 4 or struct.unpack_from("<I", frame.payload)[0] != j:
-            raise TransportError(f"sent something else than the result of part {j} of its share")
-        wire = frame.payload[4:]
+        payload = frame.payload
+        if frame.kind != AVERAGE or len(payload) < 8 or struct.unpack_from("<I", payload)[0] != j:
+            raise _Refused(f"sent something else than the result of part {j} of its share")
+        note_length = struct.unpack_from("<I", payload, 4)[0]
+        if 8 + note_length > len(payload):
+            raise _Refused(f"sent a note longer than its result of part {j}")
+        note, wire = payload[8:8 + note_length], payload[8 + note_length:]
         if not wire:
-            return  # the part has no result: ours stays
-        values = codec.decode(wire, part.numel())
+            return False
+        try:
+            values = codec.decode(wire, part.numel())
+        except ValueError as exc:
+            raise _Refused(f"returned a malformed part {j}: {exc}") from None
         if not bool(torch.isfinite(values).all()):
-            raise ValueError(f"returned non-finite values in part {j} of its share")
+            raise _Refused(f"returned non-finite values in part {j} of its share")
+        reason = checks.check(k, j, values, note)
+        if reason:
+            raise _Refused(reason)
         part.copy_(values)
-        received.add(g)
+        return True
+
+
+class _Refused(Exception):
+    """A reducer's reply that a check refused (the rest of its share becomes zeros)."""
