@@ -14,7 +14,7 @@ from dtrain.swarm.butterfly import Membership, MembershipError
 from dtrain.swarm.codecs import part_codec
 from dtrain.swarm.loopback import run_concurrently
 from dtrain.swarm.membership import (
-    Announcer, Declaration, SignedMembership, announcer_order, declare, equal_shares, sign,
+    Announcer, Declaration, SignedMembership, announcer_order, declare, reducer_shares, sign,
 )
 
 NUM_PARTS = 6
@@ -116,10 +116,18 @@ def test_a_forged_or_altered_membership_is_refused(wallets):
         SignedMembership.from_bytes(b"\x93junk")
 
 
-def test_equal_shares_go_to_the_members_that_reduce():
-    assert equal_shares([False, True, True, True], 10) == (0, 4, 3, 3)
-    assert equal_shares([False, False], 3) == (2, 1)  # nobody offered: everyone reduces
-    assert sum(equal_shares([True] * 7, 1000)) == 1000
+def test_shares_go_to_the_members_that_reduce_by_their_bandwidth():
+    def d(reduces, bandwidth=None):
+        return Declaration("r", 0, 1.0, reduces, b"", bandwidth)
+
+    assert reducer_shares([d(False), d(True), d(True), d(True)], 10) == (0, 4, 3, 3)
+    assert reducer_shares([d(False), d(False)], 3) == (2, 1)  # nobody offered: everyone reduces
+    assert sum(reducer_shares([d(True)] * 7, 1000)) == 1000
+    # four reducers, one with a tenth of the others' upload: it reduces least (the LP's optimum)
+    shares = reducer_shares([d(True, 10.0), d(True, 10.0), d(True, 10.0), d(True, 1.0)], 100)
+    assert sum(shares) == 100 and shares[3] < min(shares[:3])
+    back = Declaration.from_bytes(d(True, 2.5).to_bytes())
+    assert back.bandwidth == 2.5 and Declaration.from_bytes(d(True).to_bytes()).bandwidth is None
 
 
 def test_every_peer_derives_the_same_announcer_and_the_duty_rotates():
@@ -130,3 +138,20 @@ def test_every_peer_derives_the_same_announcer_and_the_duty_rotates():
     leaders = {announcer_order("run", e, validators)[0] for e in range(60)}
     assert len(leaders) == 5  # over 60 epochs every validator announces some
     assert announcer_order("other-run", 12, validators) != first or announcer_order("run", 13, validators) != first
+
+
+def test_balanced_fractions_finish_every_reducer_together_and_match_the_program():
+    import numpy as np
+
+    from dtrain.swarm.load_balance import balanced_fractions, optimize_parts_highs
+
+    b = np.array([10.0, 20.0, 30.0, 40.0, 25.0])
+    w = balanced_fractions(b)
+    n = len(b)
+    times = (1 + (n - 2) * w) / b
+    active = w > 0
+    assert abs(w.sum() - 1) < 1e-9 and np.ptp(times[active]) < 1e-6
+    # its makespan is the program's optimum (the slowest member's own upload included)
+    lp = optimize_parts_highs(100, b)
+    lp = lp / lp.sum()
+    assert max(times.max(), (1 / b).max()) <= max(((1 + (n - 2) * lp) / b).max(), (1 / b).max()) + 1e-6

@@ -5,7 +5,8 @@ part declares, over dtrain's ``declare`` protocol (dtrain.swarm.transport), the 
 whether it sends (its weight) and whether it reduces, and its gather (the bytes every member's
 checks read: work commitment, caps, norms, codec). libp2p authenticates the declaring peer, so a
 peer can only declare itself. When the window closes the announcer puts the members in order
-(by peer id), gives every reducer an equal share of the parts, signs the whole with its hotkey
+(by peer id), gives every reducer a share of the parts (by its declared bandwidth: the
+butterfly's load balancing), signs the whole with its hotkey
 (sr25519, bittensor's ``resolve_signer``) and answers every declaration with the same signed
 list. Every member averages with exactly that group (dtrain.swarm.butterfly).
 
@@ -48,12 +49,14 @@ class Declaration:
     weight: float  # its averaging weight; 0 for a member that only receives (a validator)
     reduces: bool  # whether it takes a share of the parts
     gather: bytes = b""  # what every member's checks read of it (opaque here)
+    bandwidth: Optional[float] = None  # its upload in MB/s, for its share of the parts; None: like the others
 
     def to_bytes(self) -> bytes:
         import msgpack
 
         return msgpack.packb({"r": self.round_id, "e": int(self.epoch), "w": float(self.weight),
-                              "red": bool(self.reduces), "g": bytes(self.gather)}, use_bin_type=True)
+                              "red": bool(self.reduces), "g": bytes(self.gather),
+                              "b": None if self.bandwidth is None else float(self.bandwidth)}, use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Declaration":
@@ -61,11 +64,15 @@ class Declaration:
 
         try:
             doc = msgpack.unpackb(data, raw=False)
-            declaration = cls(str(doc["r"]), int(doc["e"]), float(doc["w"]), bool(doc["red"]), bytes(doc["g"]))
+            bandwidth = doc.get("b")
+            declaration = cls(str(doc["r"]), int(doc["e"]), float(doc["w"]), bool(doc["red"]), bytes(doc["g"]),
+                              None if bandwidth is None else float(bandwidth))
         except Exception as exc:
             raise MembershipError(f"a declaration must be a map of r, e, w, red and g ({exc!r})"[:200]) from None
         if not (0 <= declaration.weight < float("inf")) or declaration.epoch < 0:
             raise MembershipError("a declaration's weight must be finite and >= 0, its epoch >= 0")
+        if declaration.bandwidth is not None and not 0 <= declaration.bandwidth < float("inf"):
+            raise MembershipError("a declaration's bandwidth must be finite and >= 0")
         if len(declaration.gather) > MAX_GATHER:
             raise MembershipError(f"a gather of {len(declaration.gather)} bytes (the limit is {MAX_GATHER})")
         return declaration
@@ -159,13 +166,20 @@ def announcer_order(run_id: str, epoch: int, validators: Sequence[str]) -> list[
     return sorted(set(validators), key=lambda hotkey: (rank(hotkey), hotkey))
 
 
-def equal_shares(reduces: Sequence[bool], num_parts: int) -> tuple[int, ...]:
-    """``num_parts`` split as evenly as can be over the members that reduce (the first get one
-    more); every member a share when none offered to reduce."""
-    reducers = [i for i, r in enumerate(reduces) if r] or list(range(len(reduces)))
-    shares = [0] * len(reduces)
-    for rank, i in enumerate(reducers):
-        shares[i] = num_parts // len(reducers) + (rank < num_parts % len(reducers))
+def reducer_shares(declarations: Sequence[Declaration], num_parts: int) -> tuple[int, ...]:
+    """``num_parts`` over the members that reduce, in proportion to what the butterfly's load
+    balancing gives their declared bandwidths (dtrain.swarm.load_balance); every member reduces
+    when none offered to."""
+    from dtrain.swarm.load_balance import part_shares
+
+    reduces = [d.reduces for d in declarations]
+    if not any(reduces):
+        reduces = [True] * len(declarations)
+    reducers = [i for i, r in enumerate(reduces) if r]
+    split = part_shares(num_parts, [declarations[i].bandwidth for i in reducers])
+    shares = [0] * len(declarations)
+    for i, count in zip(reducers, split):
+        shares[i] = count
     return tuple(shares)
 
 
@@ -204,7 +218,7 @@ class Announcer:
             raise MembershipError(f"nobody declared for round {round_id}")
         senders = tuple(i for i, d in enumerate(declared) if d.weight > 0)
         membership = Membership(round_id, tuple(members), senders, tuple(declared[i].weight for i in senders),
-                                equal_shares([d.reduces for d in declared], window.num_parts))
+                                reducer_shares(declared, window.num_parts))
         signed = await loop.run_in_executor(None, sign, membership, epoch, [d.gather for d in declared], self.wallet)
         window.closed.set_result(signed)
         loop.call_later(60.0, self._windows.pop, round_id, None)

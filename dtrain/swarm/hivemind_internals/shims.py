@@ -22,14 +22,13 @@ from hivemind.compression.floating import Float16Compression
 from hivemind.proto import runtime_pb2
 
 from dtrain.swarm.codecs import BlockwiseAbsmax8Bit
+from dtrain.swarm.load_balance import optimize_parts_highs
 from dtrain.swarm.ternary import BlockwiseTernary
 
 logger = logging.getLogger(__name__)
 
 _shims_installed = False
 _shim_lock = threading.Lock()
-# Same rounding as hivemind so partitions are identical to an unpatched peer's when both solve.
-_LP_DECIMALS = 9
 
 
 def _read_codebook_size(buffer: bytes) -> int:
@@ -90,52 +89,6 @@ class BlockwiseTernaryCompression(_DtrainCodecCompression):
 
     compression_type = runtime_pb2.MEANSTD_16BIT
     codec = BlockwiseTernary
-
-
-def optimize_parts_highs(vector_size: int, bandwidths: np.ndarray, min_size: int = 0) -> np.ndarray:
-    """hivemind's load-balancing LP (minimise the slowest peer's butterfly traffic time), solved with HiGHS.
-
-    Variables are the per-peer fractions w_1..w_n and the makespan xi. Peer i moves
-    ``D * (1 + (n - 2) * w_i)`` values, so we minimise xi subject to
-    ``(1 + (n-2) w_i) / b_i <= xi`` for peers with bandwidth, ``sum w = 1``, ``0 <= w_i``,
-    and ``w_i = 0`` for zero-bandwidth (client) peers. Returns scores proportional to fractions.
-    """
-    import scipy.optimize
-
-    bandwidths = np.asarray(bandwidths, dtype=np.float64)
-    assert np.all(bandwidths >= 0) and np.any(bandwidths > 0)
-    n = len(bandwidths)
-    nonzero = bandwidths > 0
-    c = np.zeros(n + 1)
-    c[-1] = 1.0
-    rows, rhs = [], []
-    safe_bw = np.maximum(bandwidths, 10.0**-_LP_DECIMALS)
-    for i in np.flatnonzero(nonzero):
-        row = np.zeros(n + 1)
-        row[i] = (n - 2.0) / safe_bw[i]
-        row[-1] = -1.0
-        rows.append(row)
-        rhs.append(-1.0 / safe_bw[i])
-    a_eq = np.ones((1, n + 1))
-    a_eq[0, -1] = 0.0
-    bounds = [(0.0, 1.0 if nonzero[i] else 0.0) for i in range(n)] + [(None, None)]
-    try:
-        solution = scipy.optimize.linprog(
-            c, A_ub=np.array(rows), b_ub=np.array(rhs), A_eq=a_eq, b_eq=[1.0], bounds=bounds, method="highs"
-        )
-        ok = bool(solution.success)
-    except Exception as exc:  # an old/odd scipy must not kill the round
-        logger.warning("load balancing LP failed (%r); using an equal split", exc)
-        ok = False
-    if not ok:
-        return nonzero.astype(np.float64)
-    scores = np.asarray(solution.x[:n], dtype=np.float64)
-    if vector_size > 0 and np.max(scores) >= min_size / float(vector_size):
-        scores[scores < min_size / float(vector_size)] = 0.0
-    scores = np.round(scores, _LP_DECIMALS)
-    if not np.any(scores > 0):
-        return nonzero.astype(np.float64)
-    return scores
 
 
 def install_shims() -> None:
