@@ -1,4 +1,4 @@
-"""dtrain's own P2P service, on hivemind's public ``P2P`` (the node's p2pd, through ``DHT.replicate_p2p``).
+"""dtrain's own P2P service, on hivemind's public ``P2P`` (a client of the node's p2pd, ``P2P.replicate``).
 
 Every message dtrain's swarm exchanges outside the DHT travels here, under protocol names of its
 own (``/dtrain/<prefix>/<name>/1``) and in frames of its own: one frame is hivemind's raw-data
@@ -68,6 +68,11 @@ async def read_frame(reader: asyncio.StreamReader) -> Frame:
     return Frame(data[0], data[1:])
 
 
+async def _daemon_address(_dht, node):
+    """In the DHT's process: the multiaddr its p2pd listens on for clients."""
+    return node.p2p.daemon_listen_maddr
+
+
 # A handler gets the authenticated remote peer id (base58) and the stream's two ends.
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -100,7 +105,11 @@ class Transport:
             asyncio.set_event_loop(loop)
             self._loop = loop
             try:
-                self._p2p = loop.run_until_complete(self.dht.replicate_p2p())
+                from hivemind.p2p import P2P
+
+                # a client of our own to the node's p2pd, bound to this loop: the DHT's cached
+                # replica (replicate_p2p) belongs to whichever loop first asked for it
+                self._p2p = loop.run_until_complete(P2P.replicate(self.dht.run_coroutine(_daemon_address)))
             except BaseException as exc:  # the DHT is gone: the caller hears why
                 ready.set_exception(exc)
                 loop.close()
@@ -131,6 +140,10 @@ class Transport:
                 except Exception as exc:  # the daemon may already be gone
                     logger.debug("transport: could not remove handler %s: %r", name, exc)
             self._handlers.clear()
+            try:
+                await self._p2p.shutdown()  # our client only: the daemon is the DHT's
+            except Exception as exc:
+                logger.debug("transport: closing the p2pd client: %r", exc)
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=10)
