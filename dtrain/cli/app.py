@@ -47,8 +47,12 @@ app.command("sandbox")(sandbox.sandbox)
 
 
 def main() -> None:
+    quiet_libraries()
+    app(prog_name="dtrain")
+
+
+def quiet_libraries() -> None:
+    """hivemind logs every identity and connection at INFO; operators see our dashboards instead."""
     import os
 
-    # hivemind logs every identity and connection at INFO; operators see our dashboards instead.
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
-    app(prog_name="dtrain")

@@ -23,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path, help="the neuron's config.toml")
     parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
     args = parser.parse_args(argv)
+    from dtrain.cli.app import quiet_libraries
     from dtrain.sandbox.adversary import KINDS, miner_class
+
+    quiet_libraries()  # as `dtrain mine` does
 
     if args.kind not in KINDS:
         parser.error(f"unknown kind {args.kind!r}; expected one of {', '.join(KINDS)}")
