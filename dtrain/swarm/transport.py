@@ -184,7 +184,7 @@ class Transport:
             peer = info.peer_id.to_base58()
             try:
                 await handler(peer, reader, writer)
-            except (TransportError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            except (TransportError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
                 logger.debug("transport: %s stream from %s ended: %r", name, peer, exc)
             except Exception:
                 logger.exception("transport: %s handler failed for %s", name, peer)
