@@ -73,6 +73,23 @@ async def _daemon_address(_dht, node):
     return node.p2p.daemon_listen_maddr
 
 
+# How long a served stream waits for its opener to hang up once the handler is done.
+HANG_UP_WAIT_S = 30.0
+
+
+async def _until_hung_up(reader: asyncio.StreamReader) -> None:
+    """Read (and drop) until the peer closes its end, for at most HANG_UP_WAIT_S."""
+    try:
+        await asyncio.wait_for(_drain_to_eof(reader), HANG_UP_WAIT_S)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def _drain_to_eof(reader: asyncio.StreamReader) -> None:
+    while await reader.read(65536):
+        pass
+
+
 # A handler gets the authenticated remote peer id (base58) and the stream's two ends.
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -177,13 +194,16 @@ class Transport:
 
     # -- protocols ---------------------------------------------------------------------------
     def handle(self, name: str, handler: StreamHandler) -> None:
-        """Serve protocol ``name``: each stream a peer opens runs ``handler(peer id, reader, writer)``;
-        the stream is closed when the handler returns, and an exception in it is logged, not raised."""
+        """Serve protocol ``name``: each stream a peer opens runs ``handler(peer id, reader, writer)``.
+        When the handler returns, the stream stays open until the peer hangs up (at most
+        ``HANG_UP_WAIT_S``): the side that opened a stream closes it, since p2pd drops what is still
+        in flight when the other side closes first. An exception in a handler is logged, not raised."""
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
             try:
                 await handler(peer, reader, writer)
+                await _until_hung_up(reader)
             except (TransportError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
                 logger.debug("transport: %s stream from %s ended: %r", name, peer, exc)
             except Exception:
