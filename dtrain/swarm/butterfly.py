@@ -183,6 +183,8 @@ class _Share:
             self.finish_unreduced()
 
     def fail_sender(self, sender: int, why: str) -> None:
+        if self.done.is_set():
+            return  # every part of the share has its result: nothing is left to leave it out of
         if sender not in self.outcome.banned:
             self.outcome.banned[sender] = why
             logger.warning("butterfly %s: leaving sender #%d out of our share: %s", self.membership.round_id, sender, why)
@@ -273,11 +275,16 @@ class ButterflyService:
         try:
             if sender is not None:
                 share.connected.add(sender)
-                reason = share.checks.accept_head(sender, sender_head)
-                if reason:
-                    share.fail_sender(sender, reason)
-                else:
-                    await self._take_parts(share, sender, reader)
+                try:
+                    reason = share.checks.accept_head(sender, sender_head)
+                    if reason:
+                        share.fail_sender(sender, reason)
+                    else:
+                        await self._take_parts(share, sender, reader)
+                except BaseException:
+                    # whatever went wrong, the share must not wait for this sender's parts
+                    share.fail_sender(sender, "its stream ended in an error")
+                    raise
             await replies
         finally:
             replies.cancel()
@@ -315,6 +322,10 @@ class ButterflyService:
                     part, reason = await item
                 except ValueError as exc:
                     share.fail_sender(sender, f"sent a malformed part: {exc}")
+                    return
+                except Exception as exc:  # a check that broke: the sender is left out, never waited for
+                    logger.exception("butterfly: checking part %d of sender #%d failed", j, sender)
+                    share.fail_sender(sender, f"its part {j} could not be checked ({type(exc).__name__})")
                     return
                 if reason:
                     share.fail_sender(sender, reason)
