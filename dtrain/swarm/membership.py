@@ -189,6 +189,7 @@ class _Window:
     num_parts: int
     closes_at: float  # time.monotonic()
     declarations: dict[str, Declaration] = field(default_factory=dict)
+    sealed: bool = False  # set, with no await between, just before the members are read
     closed: Optional[asyncio.Future] = None  # the signed membership, once the window closed
 
 
@@ -212,6 +213,9 @@ class Announcer:
             window.declarations[self.transport.peer_id] = own
         self._windows[round_id] = window
         await asyncio.sleep(window_s)
+        # sealed before the members are read: a timer may wake a little before closes_at, and a
+        # declaration taken after the read would wait for a list that leaves it out
+        window.sealed = True
         members = sorted(window.declarations)
         declared = [window.declarations[p] for p in members]
         if not members:
@@ -248,7 +252,7 @@ class Announcer:
             return f"no round {declaration.round_id} is open here"
         if declaration.epoch != window.epoch:
             return f"round {declaration.round_id} is for epoch {window.epoch}, not {declaration.epoch}"
-        if window.closed.done() or time.monotonic() >= window.closes_at:
+        if window.sealed or time.monotonic() >= window.closes_at:
             return f"the declaration window of round {declaration.round_id} has closed: this peer sits it out"
         if not self.allowed(peer):
             return f"{peer} may not take part in this subnet's rounds"

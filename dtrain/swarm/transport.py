@@ -128,6 +128,7 @@ class Transport:
                 # replica (replicate_p2p) belongs to whichever loop first asked for it
                 self._p2p = loop.run_until_complete(P2P.replicate(self.dht.run_coroutine(_daemon_address)))
             except BaseException as exc:  # the DHT is gone: the caller hears why
+                self._loop = None
                 ready.set_exception(exc)
                 loop.close()
                 return
@@ -142,7 +143,11 @@ class Transport:
 
         self._thread = threading.Thread(target=serve, name="dtrain-transport", daemon=True)
         self._thread.start()
-        ready.result(timeout=timeout_s)
+        try:
+            ready.result(timeout=timeout_s)
+        except BaseException:
+            self._thread = None  # a later start() tries again
+            raise
         return self
 
     def shutdown(self) -> None:
