@@ -151,12 +151,6 @@ class ButterflyOutcome:
     bytes_received: int = 0
     duration_s: float = 0.0
 
-    def fraction_averaged(self, membership: Membership, sizes: Sequence[int]) -> float:
-        total = sum(sizes)
-        if not total:
-            return 1.0
-        return 1.0 - sum(sizes[g] for g in self.unaveraged_parts | self.zeroed_parts) / total
-
 
 class _Share:
     """Our share of one round, as its reducer: the senders' parts in, the results out."""

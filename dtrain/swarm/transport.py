@@ -233,19 +233,3 @@ class Transport:
         except Exception as exc:  # p2pd's refusals come as several types
             raise TransportError(f"could not open {name} to {peer}: {exc!r}"[:300]) from None
         return reader, writer
-
-    async def request(self, peer: str, name: str, kind: int, payload: bytes, timeout_s: float) -> Frame:
-        """One frame out, one frame back, on a stream of its own, within ``timeout_s``."""
-
-        async def exchange() -> Frame:
-            reader, writer = await self.open(peer, name)
-            try:
-                await write_frame(writer, kind, payload)
-                return await read_frame(reader)
-            finally:
-                writer.close()
-
-        try:
-            return await asyncio.wait_for(exchange(), timeout_s)
-        except asyncio.TimeoutError:
-            raise TransportError(f"{peer} did not answer {name} within {timeout_s:g} s") from None
