@@ -397,3 +397,22 @@ def test_the_audit_asks_a_restarted_miner_where_it_serves_now():
     assert restarted.api == "127.0.0.1:1111" and restarted.target.shared_peer_id  # only the address changes
     assert steady.api == "127.0.0.1:2000"
     assert gone.api == "127.0.0.1:3000"  # a peer id committed by another hotkey is not followed
+
+
+def test_a_round_that_is_not_scored_leaves_its_miners_first_in_line():
+    # 9 miners, 3 a round: an overtaken round (chosen, never scored) must not cost its three
+    # their turn, or a 3-round run never checks them (an honest one then ends at weight 0).
+    neurons = [Neuron(i, f"m{i}") for i in range(1, 10)] + [Neuron(0, "me", True)]
+    commitments = {n.hotkey: Commit(f"a:{n.uid}", f"P{n.uid}") for n in neurons}
+    rotation = R.CheckRotation()
+    rng = random.Random(3)
+    first = rotation.choose(neurons, commitments, "me", 3, rng)
+    rotation.scored(first, 1)
+    overtaken = rotation.choose(neurons, commitments, "me", 3, rng)
+    assert not {t.uid for t in overtaken} & {t.uid for t in first}
+    checked = {t.uid for t in first}
+    for round_no in (2, 3):
+        targets = rotation.choose(neurons, commitments, "me", 3, rng)
+        rotation.scored(targets, round_no)
+        checked |= {t.uid for t in targets}
+    assert checked == set(range(1, 10))

@@ -32,13 +32,13 @@ from dtrain.validation.verification import probation_rounds
 
 # fellow_validators is also imported from here (tests/test_neuron_parts.py)
 from dtrain.validation.round_rules import (
+    CheckRotation,
     drifted_alone,
     fellow_validators,
     later_audits,
     live_miners,
     miner_targets,
     majority_epoch_ahead,
-    select_targets,
     skip_overtaken,
 )
 
@@ -65,7 +65,7 @@ class Validator(NeuronBase):
         # Our replica holds the whole result of our last round (round_rules.drifted_alone).
         self._in_step = False
         self._uids_by_peer: dict[str, int] = {}  # of the committed miners, this round
-        self._last_checked: dict[str, int] = {}  # hotkey -> the round we last checked it in
+        self._checks = CheckRotation()  # whom the next round checks: those checked longest ago
         self._averaged_last: set[str] = set()  # peers our last round averaged
         self._in_step_with: set[str] = set()  # miners that held our replica when this round began
 
@@ -189,9 +189,8 @@ class Validator(NeuronBase):
             self.tel.event(f"round {round_no} skipped: chain unreachable ({exc})")
             return True
         commitments = self._commitments()
-        targets = select_targets(neurons, commitments, self.hotkey, self.cfg.validator.miners_per_round,
-                                 random.Random(secrets.randbits(64)), self._last_checked)
-        self._last_checked.update({t.hotkey: round_no for t in targets})
+        targets = self._checks.choose(neurons, commitments, self.hotkey, self.cfg.validator.miners_per_round,
+                                      random.Random(secrets.randbits(64)))
         if not targets:
             self.tel.event(f"round {round_no}: no miner has committed yet")
             return True
@@ -213,7 +212,8 @@ class Validator(NeuronBase):
         round_epoch = self.epoch
         record, averaged = self._allreduce(probes, round_no, commitments)
         if self._overtaken(round_no, probes, record):
-            return False
+            return False  # not a check: these miners stay first in line for the rerun
+        self._checks.scored(targets, round_no)
 
         # Audit the committed work on the pre-step replica, then take the round's step.
         self.tel.update(state=f"round {round_no}: auditing committed work")

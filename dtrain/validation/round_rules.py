@@ -70,6 +70,24 @@ def select_targets(neurons: Sequence, commitments: Mapping, own_hotkey: str, cou
                    shared_peer_id=peer_ids[commitments[n.hotkey].peer_id] > 1) for n in chosen]
 
 
+class CheckRotation:
+    """Which miners this validator checks next: those checked longest ago (``select_targets``).
+
+    A round counts as a check only once it is scored (``scored``). A round overtaken by another
+    validator's, or abandoned, leaves its miners at the front: otherwise a rerun skips them and
+    they wait a whole rotation for a verified score, honest or not."""
+
+    def __init__(self) -> None:
+        self.last_checked: dict[str, int] = {}  # hotkey -> the round it was last checked in
+
+    def choose(self, neurons: Sequence, commitments: Mapping, own_hotkey: str, count: int,
+               rng: random.Random) -> list[Target]:
+        return select_targets(neurons, commitments, own_hotkey, count, rng, self.last_checked)
+
+    def scored(self, targets: Sequence[Target], round_no: int) -> None:
+        self.last_checked.update({t.hotkey: round_no for t in targets})
+
+
 def miner_targets(neurons: Sequence, commitments: Mapping) -> dict[str, Target]:
     """Peer id -> Target of every registered miner (no validator permit) that committed."""
     uids = {n.hotkey: n.uid for n in neurons if not n.validator_permit}
