@@ -106,3 +106,28 @@ def four_peers():
         finally:
             for t in transports:
                 t.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rounds(four_peers, tmp_path_factory):
+    """dtrain's rounds on the four peers (transports of their own, prefix "rounds"): node 0 a
+    validator with a real hotkey that may announce, nodes 1-3 miners; (nodes, its ss58)."""
+    import bittensor as bt
+
+    from dtrain.sandbox import layout
+    from dtrain.sandbox.orchestrator import create_wallet
+    from dtrain.swarm.round import Rounds
+    from dtrain.swarm.transport import Transport
+
+    root = tmp_path_factory.mktemp("round-wallets")
+    hotkey = create_wallet(root, "validator")
+    wallet = bt.Wallet(name="validator", hotkey="default", path=str(layout.wallets_dir(root)))
+    # transports of their own (another prefix) on the same real DHTs as the other swarm tests
+    transports = [Transport(s.transport.dht, prefix="rounds").start() for s in four_peers]
+    try:
+        nodes = [Rounds(transports[0], may_announce=lambda key: key == hotkey, wallet=wallet)]
+        nodes += [Rounds(t, may_announce=lambda key: key == hotkey) for t in transports[1:]]
+        yield nodes, hotkey
+    finally:
+        for t in transports:
+            t.shutdown()

@@ -195,7 +195,7 @@ class _Tagged:
             def reply_head(self):
                 return f"reply-of-{outer.me}".encode()
 
-            def note(self, j):
+            def note(self, j, account):
                 return b"bad" if (outer.me, j) == outer.bad_note_of else f"note-{j}".encode()
 
             def read_reply_head(self, reducer, head):
@@ -228,7 +228,8 @@ def test_heads_and_notes_travel_and_the_checks_verdicts_leave_out_a_sender_and_z
         assert {k: tagged[i].reply_heads[k] for k in reducers} == {k: f"reply-of-{k}".encode() for k in reducers}
         if i < 3:
             assert outcome.banned == {3: "its head is refused"}
-            assert tagged[i].heads == {s: f"head-of-{s}".encode() for s in range(4) if s != i}
+            # every sender's head, its own too (judged as any reducer judges it)
+            assert tagged[i].heads == {s: f"head-of-{s}".encode() for s in range(4)}
         assert set(outcome.refused_reducers) == ({1} if i != 1 else set())
         assert outcome.zeroed_parts == ({3} if i != 1 else set())
         for g in range(membership.num_parts):

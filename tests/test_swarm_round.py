@@ -8,32 +8,11 @@ import time
 import pytest
 import torch
 
-from dtrain.sandbox.orchestrator import create_wallet
 from dtrain.swarm.codecs import part_codec
 from dtrain.swarm.round import Rounds, RoundSettings, Stage
 from dtrain.swarm.transport import Transport
 
 NUM_PARTS = 4
-
-
-@pytest.fixture(scope="module")
-def rounds(four_peers, tmp_path_factory):
-    import bittensor as bt
-
-    from dtrain.sandbox import layout
-
-    root = tmp_path_factory.mktemp("round-wallets")
-    hotkey = create_wallet(root, "validator")
-    wallet = bt.Wallet(name="validator", hotkey="default", path=str(layout.wallets_dir(root)))
-    # transports of their own (another prefix) on the same real DHTs as the other swarm tests
-    transports = [Transport(s.transport.dht, prefix="rounds").start() for s in four_peers]
-    try:
-        nodes = [Rounds(transports[0], may_announce=lambda key: key == hotkey, wallet=wallet)]
-        nodes += [Rounds(t, may_announce=lambda key: key == hotkey) for t in transports[1:]]
-        yield nodes, hotkey
-    finally:
-        for t in transports:
-            t.shutdown()
 
 
 def _parts(seed: int):

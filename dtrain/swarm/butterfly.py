@@ -103,6 +103,10 @@ class RoundChecks:
     """What one round checks of what it sends, reduces and receives. Each method returns a reason
     ("" for none); the base class checks nothing and says nothing (the plain weighted butterfly)."""
 
+    def begin(self, membership: Membership, gathers: Sequence[bytes], me: int) -> None:
+        """The round's group and every member's declared gather (signed with it), before any
+        stream: what the checks below judge senders and reducers by."""
+
     # -- as a sender
     def head_for(self, reducer: int) -> bytes:
         """Bytes our stream to ``reducer`` opens with (our claims for its share)."""
@@ -121,8 +125,9 @@ class RoundChecks:
         """Bytes ahead of our first result, to every member (the senders' claims, forwarded)."""
         return b""
 
-    def note(self, j: int) -> bytes:
-        """Bytes with our result of part ``j`` (its account)."""
+    def note(self, j: int, account) -> bytes:
+        """Bytes with our result of part ``j``; ``account`` is how our reducer combined it
+        (dtrain.swarm.averaging.accounts.Account, None when no sender's part went in)."""
         return b""
 
     # -- as a receiver
@@ -203,7 +208,7 @@ class _Share:
             if future.done():
                 return
             received = averaged if self.codec.name == "none" else self.codec.decode(wire, averaged.numel())
-            future.set_result((received, wire, self.checks.note(j)))
+            future.set_result((received, wire, self.checks.note(j, self.reducer.accounts.get(j))))
         if all(f.done() for f in self.results):
             self.done.set()
 
@@ -384,17 +389,23 @@ class ButterflyService:
         loop = asyncio.get_running_loop()
         sender = share.membership.sender_index(me)
         own_task = None
-        if sender is not None:
+        if sender is not None and share.sizes:
             share.connected.add(sender)
+            # our own stream's head, judged as any reducer judges it: a check that leaves us out
+            # elsewhere leaves us out of our own share too
+            refused = share.checks.accept_head(sender, share.checks.head_for(me))
+            if refused:
+                share.fail_sender(sender, refused)
+            else:
 
-            async def own() -> None:
-                for j in range(len(share.sizes)):
-                    part = parts[share.first + j]
-                    received = part if share.codec.name == "none" else await loop.run_in_executor(
-                        None, share.codec.round_trip, part)
-                    await share.add(sender, j, received)
+                async def own() -> None:
+                    for j in range(len(share.sizes)):
+                        part = parts[share.first + j]
+                        received = part if share.codec.name == "none" else await loop.run_in_executor(
+                            None, share.codec.round_trip, part)
+                        await share.add(sender, j, received)
 
-            own_task = asyncio.create_task(own())
+                own_task = asyncio.create_task(own())
 
         async def absentees() -> None:
             await asyncio.sleep(sender_timeout_s)

@@ -144,11 +144,12 @@ class Rounds:
         rnd.membership = signed
         rnd.enter(Stage.AVERAGING)
         try:
+            checks.begin(signed.membership, signed.gathers, signed.membership.index(self.transport.peer_id))
             rnd.outcome = await self.butterfly.run(signed.membership, parts, codec,
                                                    sender_timeout_s=settings.sender_timeout_s,
                                                    reducer_timeout_s=settings.reducer_timeout_s,
                                                    robust=settings.robust, checks=checks)
-        except MembershipError as exc:
+        except ValueError as exc:  # a MembershipError, or gathers our checks cannot read
             rnd.enter(Stage.FAILED, str(exc))
             return
         rnd.enter(Stage.DONE)

@@ -71,6 +71,20 @@ class PartLayout:
                 parts.append((i, start, min(size, n - start)))
         return cls(tuple(parts))
 
+    @classmethod
+    def of_values(cls, tensors: Sequence[torch.Tensor], values_per_part: int) -> "PartLayout":
+        """dtrain's own butterfly: each tensor in consecutive parts of at most ``values_per_part``
+        values, tensor after tensor (the same on every peer of a run: it reads only the shapes)."""
+        if values_per_part < 1:
+            raise ValueError(f"a part needs at least one value, got {values_per_part}")
+        return cls(tuple((i, start, min(values_per_part, t.numel() - start))
+                         for i, t in enumerate(tensors) for start in range(0, t.numel(), values_per_part)))
+
+    def views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each part as a flat view of its (contiguous) tensor: a result written into a part
+        lands in the tensor."""
+        return [tensors[i].view(-1)[start:start + length] for i, start, length in self.parts]
+
     def __len__(self) -> int:
         return len(self.parts)
 
