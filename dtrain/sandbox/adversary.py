@@ -184,6 +184,14 @@ class NullspaceSender(_AlteredContribution):
 
     kind = "nullspace-sender"
 
+    def _build_workbench(self):
+        from dtrain.neurons import runtime
+
+        # One local batch a round in gradient mode: the secret-seed batch audit, the only check
+        # that sees this cheat, is then drawn at the configured chance itself (1 in the sandbox)
+        # instead of local_batch / committed (verification.batch_audit_chance).
+        return runtime.build_workbench(self.cfg, modes={"gradient": _OneLocalBatch, "diloco": DiLoCo})
+
     def alter(self, mean):
         from dtrain.swarm.averaging.contribution import PartLayout
         from dtrain.swarm.wire import make_compression
@@ -195,6 +203,19 @@ class NullspaceSender(_AlteredContribution):
         tensors = [t.detach().float() for t in mean]
         layout = PartLayout.of(tensors, make_compression(settings.compression), settings.part_size_bytes)
         return nullspace_altered(tensors, layout, work_nonce(self.bench.run_id, self.epoch))
+
+
+class _OneLocalBatch(PerStep):
+    """Per-step training that commits at most one local batch a round (it still accepts the
+    swarm's weights up to the target: only what it brings is smaller)."""
+
+    @property
+    def contribution_limit(self) -> int:
+        return self.settings.local_batch_size
+
+    @property
+    def weight_cap(self) -> float:
+        return float(max(self.settings.target_batch_size, self.settings.local_batch_size))
 
 
 class Sandbagger(AdversarialMiner):
