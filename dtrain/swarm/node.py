@@ -339,6 +339,9 @@ def _exited(process) -> str:
     return f"the DHT process is not running ({how})"
 
 
+KILLED_EXIT_WAIT_S = 15.0  # how long a SIGKILLed p2pd may take to be gone
+
+
 def stop_orphaned_daemon(pid: Optional[int], grace_s: float = 3.0) -> bool:
     """Stop the p2pd daemon ``pid`` if it still runs (SIGTERM, then SIGKILL); True if one was stopped.
 
@@ -354,7 +357,8 @@ def stop_orphaned_daemon(pid: Optional[int], grace_s: float = 3.0) -> bool:
     except OSError:
         return False  # gone already (or no /proc: nothing we can check, so nothing we kill)
     logger.warning("swarm: stopping p2pd (pid %d) left behind by the dead DHT process", pid)
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+    # a killed process still takes a moment to go on a loaded machine: wait longer after SIGKILL
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, max(grace_s, KILLED_EXIT_WAIT_S))):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
