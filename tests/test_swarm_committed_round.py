@@ -14,9 +14,11 @@ import torch
 from dtrain.sketch import WORK_SKETCH_K, gradient_sketch
 from dtrain.swarm.averaging.accounts import Account
 from dtrain.swarm.averaging.contribution import PartLayout
+from dtrain.swarm.averaging.kept import SentContribution
 from dtrain.swarm.codecs import part_codec
 from dtrain.swarm.commitments import CommittedChecks, commit
-from dtrain.swarm.round import RoundSettings, Stage
+from dtrain.swarm.records import Outcome
+from dtrain.swarm.round import RoundSettings, Stage, record_of
 from dtrain.training.work import PageWork, WorkReport, work_nonce
 
 pytestmark = pytest.mark.slow
@@ -40,8 +42,9 @@ def contributions(seed: int):
 
 def run_round(rounds, codec_name="none", *, sent=None, weights=None, checks_of=None, robust=False):
     """One announced round: miner m commits to ``contributions`` but averages ``sent[m]`` with
-    ``weights[m]``; ``checks_of(m, checks)`` may swap a miner's checks for a cheat's. Returns
-    (the rounds, the miners' checks, what each miner sent, what each holds after, the validator's)."""
+    ``weights[m]``; ``checks_of(m, checks)`` may swap a miner's checks for a cheat's. Returns (the
+    rounds and their checks, the validator's first, what each miner committed, what each holds
+    after, what the validator holds after)."""
     (validator, *miners), _ = rounds
     round_id = f"committed-{next(_round_ids)}"
     nonce = work_nonce("committed", 5)
@@ -52,13 +55,16 @@ def run_round(rounds, codec_name="none", *, sent=None, weights=None, checks_of=N
     weights = weights or [float(s) for s in SAMPLES]
     settings = RoundSettings(window_s=2.0, sender_timeout_s=10, reducer_timeout_s=10, robust=robust)
     received = [torch.zeros(*shape) for shape in SHAPES]
-    announced = validator.announce(round_id, 5, layout.views(received), codec, settings,
-                                   checks=CommittedChecks(layout, codec, nonce, WorkReport, robust=robust))
-    joined, checks = [], []
+    # the validator's first; everyone runs the result check after the butterfly, as production does
+    checks = [CommittedChecks(layout, codec, nonce, WorkReport, robust=robust, questions=validator.kept)]
+    announced = validator.announce(round_id, 5, layout.views(received), codec, settings, checks=checks[0])
+    joined = []
     for m, miner in enumerate(miners[:len(SAMPLES)]):
         views = layout.views(sent[m])
         own = commit(layout.views(honest[m]), layout, codec, nonce, honest_report(honest[m], SAMPLES[m], nonce))
-        mine = CommittedChecks(layout, codec, nonce, WorkReport, own=own, parts=views, robust=robust)
+        miner.kept.keep(round_id, SentContribution.keep(honest[m], layout, codec))  # what it says it sent
+        mine = CommittedChecks(layout, codec, nonce, WorkReport, own=own, parts=views, robust=robust,
+                               questions=miner.kept, sent=miner.kept.sent(round_id))
         mine = checks_of(m, mine) if checks_of else mine
         checks.append(mine)
         joined.append(miner.join(validator.transport.peer_id, round_id, 5, views, codec, weight=weights[m],
@@ -66,6 +72,10 @@ def run_round(rounds, codec_name="none", *, sent=None, weights=None, checks_of=N
     for rnd in [announced, *joined]:
         rnd.result(timeout_s=90)
     return [announced, *joined], checks, honest, sent, received
+
+
+def layout_sizes(honest) -> list[int]:
+    return [n for _, _, n in PartLayout.of_values(honest[0], VALUES_PER_PART).parts]
 
 
 def member_of(rnd, node) -> int:
@@ -92,6 +102,17 @@ def test_an_honest_committed_round_averages_everyone_and_every_member_holds_the_
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             assert torch.equal(got, received[SHAPES.index(tuple(got.shape))])
     assert all(c.accused == {} and c.refused == {} for c in checks)
+    for c in checks:  # every receiver's result check asked every sender and confirmed every part it applied
+        assert c.evidence.result_check.failed == {} and c.evidence.result_check.silent == []
+        assert c.evidence.result_check.parts_checked == len(c.evidence.parts) > 0
+    nodes = rounds[0]
+    for rnd, node, c in zip(done, nodes, checks):
+        record = record_of(rnd, node.transport.peer_id, layout_sizes(honest), c)
+        assert record.ok and record.in_step and record.fraction_averaged == 1.0 and record.fraction_refused == 0.0
+        assert [p.outcome for p in record.peers] == [Outcome.SUCCESS] * 4
+        assert record.total_weight == sum(SAMPLES)
+        # the validator reads every miner's committed report (its audits recompute them)
+        assert set(record.work_reports) == {n.transport.peer_id for n in nodes[1:]}
 
 
 def test_with_the_8bit_wire_the_claims_are_of_what_arrives_and_nobody_is_refused(rounds):
@@ -117,6 +138,11 @@ def test_a_sender_that_sends_other_bytes_than_it_committed_is_left_out_and_its_o
     # as a reducer it kept its own scaled part, which its account (and forwarded claims) cannot explain
     for rnd in [validator, *miners[:cheat]]:
         assert "account does not explain" in rnd.outcome.refused_reducers[cheat_member]
+    for rnd, node, c in zip(done[:cheat + 1], nodes, checks):  # the validator's and honest miners' records
+        record = record_of(rnd, node.transport.peer_id, layout_sizes(honest), c)
+        assert record.outcome_of(nodes[cheat + 1].transport.peer_id) == Outcome.FAIL
+        assert {p.outcome for p in record.peers if p.peer_id != nodes[cheat + 1].transport.peer_id} == {Outcome.SUCCESS}
+        assert record.in_step and 0 < record.fraction_refused < 1
     # every honest receiver holds the honest miners' mean outside the cheat's share, zeros inside
     layout = PartLayout.of_values(honest[0], VALUES_PER_PART)
     first, end = validator.membership.membership.share_of(cheat_member)
@@ -133,6 +159,11 @@ def test_a_weight_above_the_committed_samples_is_refused_by_every_member_alike(r
     done, checks, honest, sent, received = run_round(rounds, weights=[4.0, 8.0, 100.0])
     inflated = sender_of(done[0], rounds[0][3])
     assert all(c.refused == {inflated: "claims weight 100 but committed 12 samples"} for c in checks)
+    for rnd, node, c in zip(done, rounds[0], checks):
+        record = record_of(rnd, node.transport.peer_id, layout_sizes(honest), c)
+        inflated_result = record.result_of(rounds[0][3].transport.peer_id)
+        assert inflated_result.outcome == Outcome.FAIL and inflated_result.proven  # anyone can check it
+        assert inflated_result.weight_used == 0.0
     expected = weighted_mean(honest[:2], [4.0, 8.0])
     for holder in (received, sent[0], sent[1], sent[2]):
         for got, want in zip(holder, expected):
@@ -142,8 +173,8 @@ def test_a_weight_above_the_committed_samples_is_refused_by_every_member_alike(r
 def cheat_at(cheat: int, kind):
     """``checks_of`` for run_round: miner ``cheat`` runs the checks of ``kind`` instead."""
     def swap(m, checks):
-        return kind(checks.layout, checks.codec, checks.nonce, WorkReport, own=checks.own,
-                    parts=checks.parts) if m == cheat else checks
+        return kind(checks.layout, checks.codec, checks.nonce, WorkReport, own=checks.own, parts=checks.parts,
+                    questions=checks.questions, sent=checks.sent) if m == cheat else checks
 
     return swap
 
@@ -189,10 +220,78 @@ def test_a_reducer_that_leaves_a_sender_out_is_named_by_that_sender_and_by_nobod
     validator, *miners = done
     nodes = rounds[0]
     censor_member = member_of(validator, nodes[censor + 1])
-    victim = next(m for m in range(len(SAMPLES)) if sender_of(validator, nodes[m + 1]) == checks[censor].victim())
+    victim = next(m for m in range(len(SAMPLES)) if sender_of(validator, nodes[m + 1]) == checks[censor + 1].victim())
     assert victim != censor
     assert all(rnd.outcome.refused_reducers == {} for rnd in done)
-    assert "left our part out" in checks[victim].accused[censor_member]
-    assert all(c.accused == {} for m, c in enumerate(checks) if m != victim)
+    assert "left our part out" in checks[victim + 1].accused[censor_member]
+    assert all(c.accused == {} for m, c in enumerate(checks) if m != victim + 1)
+    record = record_of(done[victim + 1], nodes[victim + 1].transport.peer_id, layout_sizes(honest), checks[victim + 1])
+    assert record.outcome_of(nodes[censor + 1].transport.peer_id) == Outcome.FAIL
     for holder in (received, *sent):
         assert all(torch.equal(a, b) for a, b in zip(holder, received))
+
+
+@pytest.mark.parametrize("codec_name", ["none", "8bit"])
+def test_the_round_audit_confirms_every_part_and_names_a_sender_whose_secret_sketches_lie(rounds, codec_name):
+    from dtrain.swarm.averaging.audit import audit_nonce, audit_round, draw_seed
+    from dtrain.swarm.averaging.contribution import binding_rtol
+
+    done, checks, honest, sent, received = run_round(rounds, codec_name)
+    nodes, codec = rounds[0], part_codec(codec_name)
+    layout = PartLayout.of_values(honest[0], VALUES_PER_PART)
+    evidence = record_of(done[0], nodes[0].transport.peer_id, layout_sizes(honest), checks[0]).evidence
+    assert sorted(evidence.parts) == list(range(len(layout)))  # the validator applied every part from a reducer
+    kept = {nodes[m + 1].transport.peer_id: SentContribution.keep(honest[m], layout, codec) for m in range(3)}
+    nonce = audit_nonce(draw_seed())
+    reports = {peer: k.sketches(nonce) for peer, k in kept.items()}
+    audit = audit_round(evidence, received, reports, nonce, binding_rtol(codec_name), lambda peer, g: kept[peer].wire(g))
+    assert audit.problems == {} and audit.parts_checked == len(layout) and audit.disputes == 0
+    assert all(audit.confirmed[peer] == set(range(len(layout))) for peer in kept)
+    # a sender that answers the secret seed with the sketches of something else is named on its own bytes
+    liar = nodes[2].transport.peer_id
+    reports[liar] = SentContribution.keep([2 * t for t in honest[1]], layout, codec).sketches(nonce)
+    audit = audit_round(evidence, received, reports, nonce, binding_rtol(codec_name), lambda peer, g: kept[peer].wire(g))
+    assert set(audit.problems) == {liar} and liar in audit.proven
+    assert "its own bytes contradict" in audit.problems[liar]
+
+
+def null_space_change(values: torch.Tensor, tensor: int, start: int, nonce: str) -> torch.Tensor:
+    """A change to ``values`` as large as they are that the public sketch of their range cannot see."""
+    from dtrain.sketch import range_sketch
+
+    n = values.numel()
+    basis = torch.eye(n)
+    sketch = torch.stack([range_sketch(basis[t], tensor, start, nonce, k=WORK_SKETCH_K) for t in range(n)], dim=1)
+    v = torch.randn(n, dtype=torch.float64)
+    v -= sketch.T @ torch.linalg.lstsq(sketch @ sketch.T, sketch @ v).solution
+    return (v / v.norm() * values.norm()).float()
+
+
+class _NullSpaceReducer(CommittedChecks):
+    """A member that, as its own share's sender, hides a change in the public sketch's null space:
+    every public check passes (its forwarded claim is its honest one); under the result seed its
+    results do not add up with what it answers (its honest parts)."""
+
+    def begin(self, membership, gathers, me):
+        super().begin(membership, gathers, me)
+        first, end = membership.share_of(me)
+        for g in range(first, end):
+            i, start, _ = self.layout.parts[g]
+            self.parts[g].add_(null_space_change(self.parts[g], i, start, self.nonce))
+
+
+def test_the_result_check_refuses_a_reducer_whose_results_hide_a_change_from_the_public_sketch(rounds):
+    cheat = 0
+    done, checks, honest, sent, received = run_round(rounds, checks_of=cheat_at(cheat, _NullSpaceReducer))
+    validator, *miners = done
+    cheat_member = member_of(validator, rounds[0][cheat + 1])
+    for m, (rnd, c) in enumerate(zip(done, checks)):
+        if m == cheat + 1:
+            continue
+        # no public check saw it: it is the result check that refused it, on every other receiver
+        assert rnd.outcome.refused_reducers.get(cheat_member, "").startswith("returned a part that does not add up")
+        assert {f.reducer for f in c.evidence.result_check.failed.values()} == {rounds[0][cheat + 1].transport.peer_id}
+        first, end = validator.membership.membership.share_of(cheat_member)
+        layout = PartLayout.of_values(honest[0], VALUES_PER_PART)
+        holder = received if m == 0 else sent[m - 1]
+        assert all(torch.equal(v, torch.zeros_like(v)) for v in layout.views(holder)[first:end])

@@ -94,6 +94,17 @@ def test_a_late_or_off_epoch_declaration_sits_the_round_out(four_peers, announce
     assert membership is None and why == "no round nope is open here"
 
 
+def test_a_declaration_an_instant_before_the_window_opens_is_held_for_it(four_peers, announcer):
+    desk, _ = announcer
+    validator, miner = four_peers[0].transport, four_peers[1].transport
+    early = miner.submit(declare(miner, validator.peer_id, Declaration("m-early", 3, 1.0, True), 20))
+    time.sleep(1.0)  # the round is announced after the miner declared
+    window = validator.submit(desk.announce("m-early", 3, NUM_PARTS, window_s=1.0))
+    membership, why = early.result(timeout=20)
+    assert why == "" and miner.peer_id in membership.membership.peers
+    assert window.result(timeout=10).membership.peers == membership.membership.peers
+
+
 def test_a_forged_or_altered_membership_is_refused(wallets):
     wallet, keys = wallets
     m = Membership("m3", ("a", "b", "c"), senders=(1, 2), weights=(1.0, 1.0), shares=(0, 3, 3))

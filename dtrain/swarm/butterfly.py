@@ -139,6 +139,11 @@ class RoundChecks:
         """Before a reducer's result of part ``j`` of its share is applied: a reason refuses the reducer."""
         return ""
 
+    # -- after the butterfly
+    async def after_butterfly(self, parts: Sequence[torch.Tensor], outcome: "ButterflyOutcome") -> None:
+        """On the round's loop, once every share is in: checks of the whole result (a reducer
+        they refuse has its parts zeroed in ``parts`` and is named in ``outcome``)."""
+
 
 NO_CHECKS = RoundChecks()
 

@@ -36,6 +36,7 @@ import torch
 
 from dtrain.sketch import WORK_SKETCH_K, range_sketch
 from dtrain.swarm.averaging.accounts import Account, AccountError, account_problem, own_part_problem
+from dtrain.swarm.averaging.audit import ReducedPart, RoundEvidence
 from dtrain.swarm.averaging.claims_tree import ClaimsProofError, ClaimsTree, part_digest
 from dtrain.swarm.averaging.contribution import (
     Commitment,
@@ -119,16 +120,22 @@ def _unpack(data: bytes, count: int) -> list[bytes]:
 class CommittedChecks(RoundChecks):
     """One member's checks of a committed round (module docstring). ``own``: what we committed
     (None when we do not send: a validator); ``parts``: the parts we send, read only while a
-    reducer's account of our own part is judged; ``robust``: the round's rule is CenteredClip."""
+    reducer's account of our own part is judged; ``robust``: the round's rule is CenteredClip;
+    ``questions`` (questions.KeptRounds): with it, the result check runs after the butterfly,
+    asking the senders within ``question_timeout_s`` (``sent``: what we sent, for our own answers)."""
 
     def __init__(self, layout: PartLayout, codec: PartCodec, nonce: str, report_type, *,
                  own: Optional[OwnCommitment] = None, parts: Sequence[torch.Tensor] = (), robust: bool = False,
-                 k: int = WORK_SKETCH_K):
+                 questions=None, sent=None, question_timeout_s: float = 10.0, k: int = WORK_SKETCH_K):
         self.layout, self.codec, self.nonce, self.report_type = layout, codec, nonce, report_type
         self.own, self.parts, self.robust, self.k = own, list(parts), robust, k
+        self.questions, self.sent, self.question_timeout_s = questions, sent, question_timeout_s
         self.rtol = binding_rtol(codec.name)
         self.refused: dict[int, str] = {}  # sender index -> why every reducer leaves it out
         self.accused: dict[int, str] = {}  # reducer -> how its account wronged our own part
+        # what the validators' round audit reads (averaging.audit): every result we applied from
+        # another reducer, with its account and the digests its senders committed
+        self.evidence: Optional[RoundEvidence] = None
 
     def begin(self, membership: Membership, gathers: Sequence[bytes], me: int) -> None:
         if len(self.layout) != membership.num_parts:
@@ -153,7 +160,9 @@ class CommittedChecks(RoundChecks):
         self.weights = [0.0 if s in self.refused else float(w) for s, w in enumerate(membership.weights)]
         self._share: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sender -> (claims, digests) of our share
         self._heads: dict[int, bytes] = {}  # sender -> the proof it opened with
-        self._forwarded: dict[int, list] = {}  # reducer -> per sender, its claims for that share (or None)
+        self._forwarded: dict[int, list] = {}  # reducer -> per sender, (claims, digests) for that share, or None
+        self.evidence = RoundEvidence(senders=[membership.peers[m] for m in membership.senders], layout=self.layout,
+                                      compression=self.codec.name, codec=self.codec)
 
     # -- as a sender
     def head_for(self, reducer: int) -> bytes:
@@ -217,11 +226,29 @@ class CommittedChecks(RoundChecks):
                 claims.append(None)
                 continue
             try:
-                claims.append(found.share_claims(piece, first=first, end=end, num_parts=len(self.layout)))
+                claims.append(found.share_claims(piece, first=first, end=end, num_parts=len(self.layout),
+                                                 with_digests=True))
             except ClaimsProofError as exc:
                 return f"forwarded claims of sender #{s} that its commitment does not prove: {exc}"
         self._forwarded[reducer] = claims
         return ""
+
+    def claimed_norm(self, g: int, sender: int) -> float:
+        """The norm of ``sender``'s public claim for global part ``g``, as its reducer forwarded
+        it (0 when none was shown): what bounds a silent sender's term in the result check."""
+        k = next((k for k in self._forwarded if self.membership.share_of(k)[0] <= g < self.membership.share_of(k)[1]),
+                 None)
+        shown = self._forwarded.get(k) if k is not None else None
+        if not shown or shown[sender] is None:
+            return 0.0
+        return float(np.linalg.norm(shown[sender][0][g - self.membership.share_of(k)[0]].astype(np.float64)))
+
+    async def after_butterfly(self, parts, outcome) -> None:
+        if self.questions is None or not self.commitments:
+            return
+        from dtrain.swarm.result_checking import check_results
+
+        await check_results(self, parts, outcome, self.questions, self.sent, self.question_timeout_s)
 
     def check(self, reducer: int, j: int, part: torch.Tensor, note: bytes) -> str:
         if not self.commitments:
@@ -235,12 +262,14 @@ class CommittedChecks(RoundChecks):
             return f"its account of part {j}: {exc}"
         g = self.membership.share_of(reducer)[0] + j
         i, start, _ = self.layout.parts[g]
-        claims = [c[j] if c is not None else None for c in forwarded]
+        claims = [c[0][j] if c is not None else None for c in forwarded]
         committed = [s in self.commitments for s in range(len(self.membership.senders))]
         problem = account_problem(part, account, claims, committed, self.weights, robust=self.robust,
                                   param_index=i, start=start, nonce=self.nonce, rtol=self.rtol)
         if problem:
             return problem
+        self.evidence.parts[g] = ReducedPart(self.membership.peers[reducer], tuple(float(x) for x in account.coefficients),
+                                             tuple(bytes(c[1][j]) if c is not None else None for c in forwarded))
         if self.my_sender is not None and self.parts and reducer not in self.accused:
             wronged = own_part_problem(part, account, self.weights, robust=self.robust, me=self.my_sender,
                                        my_part=lambda: self.codec.round_trip(self.parts[g]), rtol=self.rtol)

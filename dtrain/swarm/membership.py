@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 PROTOCOL = "declare"
 DECLARE, MEMBERS, NOT_MEMBER = 1, 2, 3
 SIGNED_DOMAIN = b"dtrain/membership/v1\n"
+# How long a declaration for a round not yet open waits for it before it is refused.
+EARLY_DECLARATION_S = 3.0
 MAX_GATHER = 4 * 1024 * 1024  # a declaration's gather (a work report grows with the pages trained)
 
 
@@ -237,6 +239,7 @@ class Announcer:
         except MembershipError as exc:
             await write_frame(writer, NOT_MEMBER, str(exc).encode())
             return
+        await self._opened(declaration.round_id, EARLY_DECLARATION_S)
         reason = self._refusal(peer, declaration)
         if reason:
             await write_frame(writer, NOT_MEMBER, reason.encode())
@@ -245,6 +248,14 @@ class Announcer:
         window.declarations[peer] = declaration
         signed = await asyncio.shield(window.closed)
         await write_frame(writer, MEMBERS, signed.to_bytes())
+
+    async def _opened(self, round_id: str, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for round ``round_id``'s window to open: a member that learnt of
+        the round as it was announced may declare an instant before our loop opened it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while round_id not in self._windows and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     def _refusal(self, peer: str, declaration: Declaration) -> str:
         window = self._windows.get(declaration.round_id)

@@ -6,7 +6,8 @@ A :class:`Round` carries one round id and epoch through every stage a member see
 ``SAT_OUT`` (it is not a member: it declared late, for another epoch, or the announcer could not
 be reached; nobody waits for it and nobody holds it at fault) or ``AVERAGING`` (the signed
 membership is verified and the butterfly runs) -> ``DONE`` (the result is in the caller's parts)
-or ``FAILED`` (the membership did not verify, or the butterfly could not run at all).
+or ``FAILED`` (the membership did not verify, the butterfly could not run at all, or the checks
+after it broke: the parts may then hold values nobody checked, which the caller must not use).
 
 A round runs on the transport's event loop, never on the caller's thread: :meth:`Rounds.announce`
 and :meth:`Rounds.join` return at once with the round, whose :meth:`Round.result` the caller
@@ -27,6 +28,8 @@ import torch
 from dtrain.swarm.butterfly import NO_CHECKS, ButterflyOutcome, ButterflyService, MembershipError, RoundChecks
 from dtrain.swarm.codecs import PartCodec
 from dtrain.swarm.membership import Announcer, Declaration, SignedMembership, declare
+from dtrain.swarm.questions import KeptRounds
+from dtrain.swarm.records import Outcome, PeerResult, RoundRecord
 from dtrain.swarm.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,7 @@ class Rounds:
         self.transport = transport
         self.may_announce = may_announce
         self.butterfly = ButterflyService(transport, start_timeout_s=start_timeout_s)
+        self.kept = KeptRounds(transport)  # what we sent in our last committed round, and questions about it
         self.desk = Announcer(transport, wallet, may_declare) if wallet is not None else None
 
     def announce(self, round_id: str, epoch: int, parts: Sequence[torch.Tensor], codec: PartCodec,
@@ -142,6 +146,7 @@ class Rounds:
             logger.warning("round %s: %s", rnd.round_id, exc)
             return
         rnd.membership = signed
+        self.kept.admit(rnd.round_id, signed.membership.peers)  # they may now ask what we sent
         rnd.enter(Stage.AVERAGING)
         try:
             checks.begin(signed.membership, signed.gathers, signed.membership.index(self.transport.peer_id))
@@ -152,4 +157,66 @@ class Rounds:
         except ValueError as exc:  # a MembershipError, or gathers our checks cannot read
             rnd.enter(Stage.FAILED, str(exc))
             return
+        try:
+            await checks.after_butterfly(parts, rnd.outcome)
+        except Exception as exc:  # unchecked results are no result: the caller must not apply them
+            logger.exception("round %s: the checks after the butterfly broke", rnd.round_id)
+            rnd.enter(Stage.FAILED, f"the checks after the butterfly broke: {type(exc).__name__}: {exc}"[:300])
+            return
         rnd.enter(Stage.DONE)
+
+
+def record_of(rnd: Round, local_peer: str, sizes: Sequence[int], checks: RoundChecks = NO_CHECKS, *,
+              fingerprint: str = "", compression: str = "none", mode: str = "gradient", tokens: int = 0) -> RoundRecord:
+    """This member's record of a finished round (what scoring, dashboards and the round log
+    read). ``sizes``: the values in each part; ``checks``: the round's checks, whose verdicts
+    (``refused`` senders, ``accused`` reducers, ``commitments``) the record names when they have them.
+
+    A round it sat out or that failed says why in ``error`` and names nobody: it is nobody's
+    fault here. Of a round it averaged in, every member has one outcome: FAIL for a sender
+    every member leaves out for its gather (``proven``: anyone can check it), one our reducer
+    left out, a reducer our checks refused, accused or that did not deliver; else SUCCESS.
+    """
+    started = rnd.times.get(Stage.DECLARING.value, time.time())
+    ended = max(rnd.times.values()) if rnd.times else started
+    record = RoundRecord(round_id=rnd.round_id, local_peer_id=local_peer, started_at=started,
+                         duration_s=max(0.0, ended - started), num_elements=int(sum(sizes)),
+                         model_fingerprint=fingerprint, compression=compression, mode=mode, tokens=int(tokens))
+    if rnd.stage != Stage.DONE or rnd.membership is None or rnd.outcome is None:
+        record.error = f"{rnd.stage.value}: {rnd.reason}" if rnd.reason else rnd.stage.value
+        return record
+    membership, outcome = rnd.membership.membership, rnd.outcome
+    refused = getattr(checks, "refused", {})
+    accused = getattr(checks, "accused", {})
+    commitments = getattr(checks, "commitments", {})
+    record.group = list(membership.peers)
+    for i, peer in enumerate(membership.peers):
+        s = membership.sender_index(i)
+        claimed = membership.weights[s] if s is not None else 0.0
+        proven = s is not None and s in refused
+        if proven:
+            verdict, why = Outcome.FAIL, refused[s]
+        elif s is not None and s in outcome.banned and peer != local_peer:
+            verdict, why = Outcome.FAIL, f"left out of our share: {outcome.banned[s]}"
+        elif i in outcome.refused_reducers:
+            verdict, why = Outcome.FAIL, f"refused as a reducer: {outcome.refused_reducers[i]}"
+        elif i in accused:
+            verdict, why = Outcome.FAIL, f"wronged our part as a reducer: {accused[i]}"
+        elif i in outcome.failed_reducers:
+            verdict, why = Outcome.FAIL, f"did not deliver its averaged parts: {outcome.failed_reducers[i]}"
+        else:
+            verdict, why = Outcome.SUCCESS, ""
+        used = claimed if verdict == Outcome.SUCCESS else 0.0
+        record.peers.append(PeerResult(peer, verdict, claimed, used, why, proven=proven))
+        if s is not None and s in commitments:
+            record.work_reports[peer] = commitments[s].report
+    total = max(1, sum(sizes))
+    unaveraged = sum(sizes[g] for g in outcome.unaveraged_parts | outcome.zeroed_parts)
+    record.fraction_averaged = 1.0 - unaveraged / total
+    record.fraction_refused = sum(sizes[g] for g in outcome.zeroed_parts) / total
+    record.total_weight = float(sum(p.weight_used for p in record.peers))
+    record.bytes_sent, record.bytes_received = outcome.bytes_sent, outcome.bytes_received
+    record.allreduce_s = outcome.duration_s
+    record.evidence = getattr(checks, "evidence", None)
+    return record
+

@@ -3,7 +3,8 @@
 The codecs' names and arithmetic are dtrain/swarm/codecs.py (no hivemind); hivemind's
 serializer, with dtrain's codec registered in the wall, turns a part into the bytes a
 reducer receives. Every check that holds a peer to its bytes (claims, digests, the round
-audit) goes through these functions, so all of them see what the wire carries.
+audit) goes through these functions, so all of them see what the wire carries. Each takes a
+hivemind compression object, or a dtrain PartCodec for a round on dtrain's own butterfly.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 
 from dtrain.swarm import hivemind_internals
-from dtrain.swarm.codecs import canonical_compression
+from dtrain.swarm.codecs import PartCodec, canonical_compression
 
 
 def make_compression(name: str):
@@ -29,6 +30,8 @@ def make_compression(name: str):
 def as_received(part: torch.Tensor, compression) -> torch.Tensor:
     """What a receiver decodes from ``part`` sent with ``compression`` (the lossy round trip;
     the part itself when there is no compression)."""
+    if isinstance(compression, PartCodec):
+        return compression.round_trip(part)
     if compression.compression_type == 0:  # NONE: exact, skip the copy
         return part
     return wire_form(part, compression)[1]
@@ -37,6 +40,9 @@ def as_received(part: torch.Tensor, compression) -> torch.Tensor:
 def wire_form(part: torch.Tensor, compression) -> tuple[bytes, torch.Tensor]:
     """(the part's wire bytes, what a receiver decodes of them): the codec is deterministic, so
     these are the bytes hivemind sends for the part."""
+    if isinstance(compression, PartCodec):
+        wire = compression.encode(part)
+        return wire, part if compression.name == "none" else compression.decode(wire, part.numel())
     wire = serialize_torch_tensor(part.detach(), compression.compression_type)
     decoded = part if compression.compression_type == 0 else deserialize_torch_tensor(wire)
     return bytes(wire.buffer), decoded
@@ -45,6 +51,8 @@ def wire_form(part: torch.Tensor, compression) -> tuple[bytes, torch.Tensor]:
 def decode_wire(wire: bytes, length: int, compression) -> torch.Tensor:
     """The float32 part of ``length`` values that ``wire`` (a part's wire bytes, sent with
     ``compression``) decodes to; ValueError when the bytes are not such a part."""
+    if isinstance(compression, PartCodec):
+        return compression.decode(wire, length)
     message = runtime_pb2.Tensor(buffer=bytes(wire), size=[int(length)], dtype="float32",
                                  compression=compression.compression_type)
     try:

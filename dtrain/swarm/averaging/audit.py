@@ -57,6 +57,7 @@ class RoundEvidence:
     compression: str  # the wire codec's setting (allreduce.compression)
     parts: dict[int, ReducedPart] = field(default_factory=dict)
     result_check: Optional[ResultCheck] = None
+    codec: Optional[object] = None  # dtrain's PartCodec of a round on its own butterfly (None: hivemind's)
 
 
 # (peer id, part) -> that part's wire bytes as the sender shows them (None: it did not)
@@ -170,7 +171,7 @@ def _settle(out: AuditResult, evidence: RoundEvidence, g: int, reduced: ReducedP
             out.proven.add(peer)
             continue
         try:
-            decoded = decode_wire(wire, length, make_compression(evidence.compression))
+            decoded = decode_wire(wire, length, evidence.codec or make_compression(evidence.compression))
         except ValueError as exc:
             out.problems.setdefault(peer, f"showed bytes of part {g} that do not decode ({exc})")
             continue
