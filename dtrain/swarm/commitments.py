@@ -160,6 +160,9 @@ class CommittedChecks(RoundChecks):
         self.weights = [0.0 if s in self.refused else float(w) for s, w in enumerate(membership.weights)]
         self._share: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sender -> (claims, digests) of our share
         self._heads: dict[int, bytes] = {}  # sender -> the proof it opened with
+        # global part -> the member that reduces it, and each member's first part (asked per part and sender)
+        self._reducer_of = [k for k, n in enumerate(membership.shares) for _ in range(n)]
+        self._first_of = [membership.share_of(k)[0] for k in range(len(membership.peers))]
         self._forwarded: dict[int, list] = {}  # reducer -> per sender, (claims, digests) for that share, or None
         self.evidence = RoundEvidence(senders=[membership.peers[m] for m in membership.senders], layout=self.layout,
                                       compression=self.codec.name, codec=self.codec)
@@ -236,12 +239,11 @@ class CommittedChecks(RoundChecks):
     def claimed_norm(self, g: int, sender: int) -> float:
         """The norm of ``sender``'s public claim for global part ``g``, as its reducer forwarded
         it (0 when none was shown): what bounds a silent sender's term in the result check."""
-        k = next((k for k in self._forwarded if self.membership.share_of(k)[0] <= g < self.membership.share_of(k)[1]),
-                 None)
-        shown = self._forwarded.get(k) if k is not None else None
+        k = self._reducer_of[g]
+        shown = self._forwarded.get(k)
         if not shown or shown[sender] is None:
             return 0.0
-        return float(np.linalg.norm(shown[sender][0][g - self.membership.share_of(k)[0]].astype(np.float64)))
+        return float(np.linalg.norm(shown[sender][0][g - self._first_of[k]].astype(np.float64)))
 
     async def after_butterfly(self, parts, outcome) -> None:
         if self.questions is None or not self.commitments:
