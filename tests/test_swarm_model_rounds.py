@@ -39,7 +39,7 @@ def contributions(seed: int):
     return [[torch.randn(*shape, generator=gen) for shape in SHAPES] for _ in SAMPLES]
 
 
-def run(swarms, honest, *, epochs=(5, 5, 5), nonce=None):
+def run(swarms, honest, *, epochs=(5, 5, 5), nonce=None, caps=None):
     """A validator's round and the three miners' (miner m at ``epochs[m]``), concurrently."""
     from dtrain.swarm.loopback import run_concurrently
 
@@ -54,7 +54,7 @@ def run(swarms, honest, *, epochs=(5, 5, 5), nonce=None):
                                    announcer=validator.peer_id, work=report, work_nonce=work_nonce("model", epochs[m]))
 
     def announce():
-        return validator.run_round(received, 0.0, round_id=round_id, epoch=5, work_nonce=nonce)
+        return validator.run_round(received, 0.0, round_id=round_id, epoch=5, work_nonce=nonce, caps=caps)
 
     records = run_concurrently([announce] + [lambda m=m: miner(m) for m in range(3)], timeout_s=120)
     return round_id, records, tensors, received
@@ -84,6 +84,25 @@ def test_every_member_averages_by_committed_samples_and_the_records_say_so(swarm
         miner.sent_sketches("another-round", "n")
     with pytest.raises(IndexError):
         miner.sent_wire(round_id, miner.num_parts)
+
+
+def test_the_announcers_caps_are_signed_into_the_membership_and_every_member_applies_them(swarms):
+    # a validator's verdicts (0 on probation, less than claimed) reach every member, not only those it asked
+    honest = contributions(4)
+    miners = [s.peer_id for s in swarms[1:]]
+    caps = {miners[0]: 0.0, miners[1]: 2.0, miners[2]: 100.0}
+    _, records, tensors, received = run(swarms, honest, caps=caps)
+    weights = (0.0, 2.0, float(SAMPLES[2]))  # capped, capped, as committed (its cap is above it)
+    expected = [sum(w * m[i] for m, w in zip(honest, weights)) / sum(weights) for i in range(len(SHAPES))]
+    for holder in [received, *tensors]:  # the capped-out miner receives the average like everyone
+        for got, want in zip(holder, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    membership = swarms[0].last_round.membership.membership
+    assert membership.sender_index(membership.index(miners[0])) is None  # cap 0: it only receives
+    for record in records:
+        assert record.ok and record.error == "", record.error
+        used = {p.peer_id: p.weight_used for p in record.peers}
+        assert [used[m] for m in miners] == list(weights) and record.total_weight == sum(weights)
 
 
 def test_a_miner_of_another_epoch_sits_out_keeps_its_values_and_is_nobodys_fault(swarms):

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from dtrain.swarm.butterfly import Membership, MembershipError
 from dtrain.swarm.transport import Transport, TransportError, read_frame, write_frame
@@ -206,9 +206,11 @@ class Announcer:
         transport.handle(PROTOCOL, self._serve)
 
     async def announce(self, round_id: str, epoch: int, num_parts: int, window_s: float,
-                       own: Optional[Declaration] = None) -> SignedMembership:
+                       own: Optional[Declaration] = None,
+                       caps: Optional[Mapping[str, float]] = None) -> SignedMembership:
         """Open the window for ``window_s``, then return the signed membership (``own``: the
-        announcer's own declaration, a member like any other)."""
+        announcer's own declaration, a member like any other). ``caps``: the largest weight the
+        membership gives each peer (an unlisted one gets 0: it only receives); None: as declared."""
         loop = asyncio.get_running_loop()
         window = _Window(int(epoch), int(num_parts), time.monotonic() + window_s, closed=loop.create_future())
         if own is not None:
@@ -222,8 +224,10 @@ class Announcer:
         declared = [window.declarations[p] for p in members]
         if not members:
             raise MembershipError(f"nobody declared for round {round_id}")
-        senders = tuple(i for i, d in enumerate(declared) if d.weight > 0)
-        membership = Membership(round_id, tuple(members), senders, tuple(declared[i].weight for i in senders),
+        weights = [d.weight if caps is None else min(d.weight, max(0.0, float(caps.get(p, 0.0))))
+                   for p, d in zip(members, declared)]
+        senders = tuple(i for i, w in enumerate(weights) if w > 0)
+        membership = Membership(round_id, tuple(members), senders, tuple(weights[i] for i in senders),
                                 reducer_shares(declared, window.num_parts))
         signed = await loop.run_in_executor(None, sign, membership, epoch, [d.gather for d in declared], self.wallet)
         window.closed.set_result(signed)

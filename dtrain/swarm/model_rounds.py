@@ -112,11 +112,13 @@ class ModelRounds:
     # -- one round -------------------------------------------------------------------------------
     def run_round(self, tensors: Sequence[torch.Tensor], weight: float, *, round_id: str, epoch: int,
                   announcer: Optional[str] = None, work=None, work_nonce: Optional[str] = None, tokens: int = 0,
-                  timeout_s: Optional[float] = None, stop: Optional[threading.Event] = None) -> RoundRecord:
+                  timeout_s: Optional[float] = None, stop: Optional[threading.Event] = None,
+                  caps: Optional[dict] = None) -> RoundRecord:
         """Average ``tensors`` in place in round ``round_id`` of ``epoch``; this peer's record.
 
         With ``announcer`` (the validator's peer id) this peer declares ``weight`` and joins; without,
-        it announces the round and takes part with weight 0 (a validator). ``work`` and
+        it announces the round and takes part with weight 0 (a validator), giving each peer at
+        most its weight in ``caps`` (None: as declared; an unlisted peer gets 0). ``work`` and
         ``work_nonce`` commit the contribution to its work report (a miner's rounds are always
         committed; a validator passes the nonce alone, to check the others'). The tensors keep their values unless the round is DONE. ``stop`` abandons
         the wait (the round still ends on its own loop; its result is then not applied)."""
@@ -128,7 +130,8 @@ class ModelRounds:
             parts = self.layout.views(buffers)
             checks, gather = self._checks(round_id, buffers, parts, work, work_nonce)
             if announcer is None:
-                rnd = self.rounds.announce(round_id, epoch, parts, self.codec, self.settings, checks=checks)
+                rnd = self.rounds.announce(round_id, epoch, parts, self.codec, self.settings, checks=checks,
+                                           caps=caps)
             else:
                 rnd = self.rounds.join(announcer, round_id, epoch, parts, self.codec, float(weight), self.settings,
                                        checks=checks, gather=gather, reduces=True)

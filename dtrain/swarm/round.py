@@ -21,7 +21,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -96,8 +96,10 @@ class Rounds:
 
     def announce(self, round_id: str, epoch: int, parts: Sequence[torch.Tensor], codec: PartCodec,
                  settings: RoundSettings = RoundSettings(), *, checks: RoundChecks = NO_CHECKS,
-                 gather: bytes = b"") -> Round:
-        """Announce a round and take part in it with weight 0 (a validator receives the result)."""
+                 gather: bytes = b"", caps: Optional[Mapping[str, float]] = None) -> Round:
+        """Announce a round and take part in it with weight 0 (a validator receives the result).
+        ``caps``: each peer's largest weight, signed into the membership so that every member
+        applies the same (an unlisted peer gets 0); None: every peer's declared weight."""
         if self.desk is None:
             raise MembershipError("only a node with a hotkey to sign with announces rounds")
         own = Declaration(round_id, epoch, weight=0.0, reduces=False, gather=gather)
@@ -105,7 +107,7 @@ class Rounds:
         rnd.enter(Stage.DECLARING)
 
         async def membership():
-            return await self.desk.announce(round_id, epoch, len(parts), settings.window_s, own=own), ""
+            return await self.desk.announce(round_id, epoch, len(parts), settings.window_s, own=own, caps=caps), ""
 
         rnd.future = self.transport.submit(self._run(rnd, membership, parts, codec, settings, checks))
         return rnd
