@@ -103,6 +103,9 @@ class AllReduceRequest(Message):
     refused: tuple | None = wire(ListOf(PEER_ID, 64), "Peers that failed this validator's secret-seed round audit "
                                  "lately: the miner names them as refused reducers in its gather (they are "
                                  "benched when most of the group does).", optional=True)
+    announcer: str | None = wire(PEER_ID, "The peer id of the validator that announces the round and signs its "
+                                 "membership (allreduce.protocol = dtrain: the miner declares there); absent: "
+                                 "hivemind's matchmaking forms the group.", optional=True)
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,8 @@ class StatusResponse(Message):
 class RoundAuditRequest(Message):
     """After a round: the sketches of what the miner sent in it, under a seed drawn after the round."""
 
-    group: str = wire(Text(r"[0-9a-f]{1,128}", "lower-case hex of 1-128 digits", 128),
-                      "The round's group id (the `round_id` of both records).")
+    group: str = wire(ROUND_ID, "The round's id (the `round_id` of both records): hivemind's group id in hex, "
+                      "or the announced round's id (allreduce.protocol = dtrain).")
     seed: str = wire(Text(r"[0-9a-f]{64}", "64 lower-case hex digits", 64),
                      "The validator's audit seed: 32 bytes drawn after the round ended.")
     part: int | None = wire(Integer(0, MAX_AUDIT_PARTS - 1), "With it: the wire bytes of this one part instead "

@@ -68,6 +68,12 @@ BatchAuditOpt = Annotated[float, typer.Option(
     help="Chance per miner and round that a validator recomputes the miner's whole batch "
     "(validator.batch_audit_probability; production's default is 0.25).")]
 
+ProtocolOpt = Annotated[str, typer.Option(
+    "--protocol", help="allreduce.protocol: hivemind (its matchmaking, the default) or dtrain (the validator "
+    "announces each round and signs its membership; the members average on dtrain's own butterfly).",
+    autocompletion=lambda incomplete: [p for p in PROTOCOLS if p.startswith(incomplete)])]
+PROTOCOLS = ("hivemind", "dtrain")
+
 
 @cli_errors
 def sandbox(
@@ -80,6 +86,7 @@ def sandbox(
     check: CheckOpt = None,
     model: ModelOpt = "tiny",
     batch_audit: BatchAuditOpt = 1.0,
+    protocol: ProtocolOpt = "hivemind",
     json_out: JsonOpt = False,
     no_dashboard: NoDashboardOpt = False,
 ) -> None:
@@ -88,6 +95,9 @@ def sandbox(
         raise typer.BadParameter(f"expected one of {', '.join(MODES)}, found {mode!r}", param_hint="--mode")
     if model not in MODELS:
         raise typer.BadParameter(f"expected one of {', '.join(MODELS)}, found {model!r}", param_hint="--model")
+    if protocol not in PROTOCOLS:
+        raise typer.BadParameter(f"expected one of {', '.join(PROTOCOLS)}, found {protocol!r}",
+                                 param_hint="--protocol")
     for kind in adversary or []:
         if kind not in ADVERSARIES:
             raise typer.BadParameter(f"expected one of {', '.join(ADVERSARIES)}, found {kind!r}",
@@ -104,7 +114,7 @@ def sandbox(
 
     box = Sandbox(SandboxOptions(miners=miners, rounds=rounds, validators=validators,
                                  adversaries=list(adversary or []), directory=directory, mode=mode,
-                                 batch_audit=batch_audit, check=check, model=model),
+                                 batch_audit=batch_audit, check=check, model=model, protocol=protocol),
                   on_event=note)
     code, interrupted = _run(box, note, events, rounds, live=live, directory=directory)
     if interrupted:

@@ -150,6 +150,11 @@ class AllReduceConfig:
                                "\"What each mode costs\").", min=0.0, max=1.0, swarm=True)
     diloco_snapshot_every: int = _f(50, "DiLoCo: inner steps between the snapshots a miner keeps for validators' "
                                     "replays; bounds one audit's replay to this many steps.", min=1, swarm=True)
+    protocol: str = _f("hivemind", "How a round is run: hivemind (its matchmaking and averager, the default) or dtrain "
+                       "(the validator announces the round, signs its membership after a declaration window of "
+                       "matchmaking_time seconds, and the members average with exactly that group on dtrain's own "
+                       "butterfly; docs/protocol.md, \"The announced round\"). Swarm-wide.",
+                       choices=("hivemind", "dtrain"), swarm=True)
     target_batch_size: int = _f(32768, "The swarm's target global batch, in sequences. Gradient mode: a miner "
                                 "trains continuously until its round, up to this many, and a contribution weighs "
                                 "at most this much; the progress display counts toward it (docs/training.md, "

@@ -60,6 +60,9 @@ class NeuronBase:
         # state sharing) read it only under this lock, so they never see a half-applied step.
         self.model_lock = threading.RLock()
         self.node = self.swarm = None
+        # allreduce.protocol = dtrain: the rounds on dtrain's own protocol, beside the swarm (which
+        # still shares state with peers that catch up); None on the hivemind protocol
+        self.model_rounds = self.round_transport = None
         self._swarm_watch = None  # a SwarmWatch once the swarm started (dtrain/neurons/swarm_health.py)
         self._swarm_note = ""  # the last self-restart, shown beside a healthy swarm line
         self._listen_on: list[str] | None = None  # the listen addresses a restarted node keeps
@@ -199,12 +202,29 @@ class NeuronBase:
             if isinstance(exc, ProcessStartError):  # a clear stop (exit 1), not a traceback
                 raise runtime.NeuronError(f"swarm: {exc}") from None
             raise
+        if self.cfg.allreduce.protocol == "dtrain":
+            try:
+                self.round_transport, self.model_rounds = runtime.announced_rounds(
+                    self.cfg, self.node, [p.detach() for p in self.trainer.params], self.bench, self.chain,
+                    wallet=self._announcing_wallet(), log_path=self.dir / "rounds.jsonl")
+            except BaseException:
+                self._stop_swarm()
+                raise
         self.swarm.set_state_priority(self.epoch)
         self.tel.update(peer_id=self.node.peer_id)
         if self._swarm_watch is None:
             from dtrain.neurons.swarm_health import SwarmWatch
 
             self._swarm_watch = SwarmWatch()
+
+    def _announcing_wallet(self):
+        """The wallet this neuron announces rounds with (a validator's); None: it only joins them."""
+        return None
+
+    @property
+    def round_swarm(self):
+        """What this neuron's rounds run on: the model rounds (protocol dtrain) or the swarm."""
+        return self.model_rounds if self.model_rounds is not None else self.swarm
 
     def _swarm_started(self) -> None:
         """After the swarm node (re)started: what else holds it must take the new one."""
@@ -437,7 +457,9 @@ class NeuronBase:
             log.debug("status file not written: %r", exc)
 
     def _stop_swarm(self) -> None:
-        for step in (lambda: self.swarm and self.swarm.shutdown(), lambda: self.node and self.node.shutdown()):
+        transport, self.round_transport, self.model_rounds = self.round_transport, None, None
+        for step in (lambda: transport and transport.shutdown(), lambda: self.swarm and self.swarm.shutdown(),
+                     lambda: self.node and self.node.shutdown()):
             try:
                 step()
             except Exception as exc:  # keep tearing down; report what failed

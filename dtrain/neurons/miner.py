@@ -342,7 +342,8 @@ class Miner(NeuronBase):
         round_epoch = self.epoch
         samples = self._samples_this_epoch()
         with self.model_lock:
-            contribution = self.swarm.into_buffers(lambda out: self._contribution(samples, request.weight_cap, out=out))
+            contribution = self.round_swarm.into_buffers(
+                lambda out: self._contribution(samples, request.weight_cap, out=out))
         mean, weight, report = contribution.tensors, contribution.weight, contribution.report
         # With per-peer caps, a peer the validator did not list (it did not verify it) gets none.
         peer_caps = request.weight_caps or {}
@@ -351,13 +352,17 @@ class Miner(NeuronBase):
         if request.refused:
             # a validator's round audit caught them: we vote to bench them as reducers
             self.swarm.name_refused(request.refused)
-        record = self.swarm.run_round(mean, weight=weight, cap=default_cap,
-                                      tokens=samples * self.cfg.model.seq_len,
-                                      timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop,
-                                      work=report, work_nonce=work_nonce(self.bench.run_id, self.epoch))
+        nonce = work_nonce(self.bench.run_id, self.epoch)
+        if self.model_rounds is not None:
+            record = self._announced_round(request, mean, weight, report, nonce, samples * self.cfg.model.seq_len)
+        else:
+            record = self.swarm.run_round(mean, weight=weight, cap=default_cap,
+                                          tokens=samples * self.cfg.model.seq_len,
+                                          timeout_s=request.deadline_s, peer_caps=peer_caps, stop=self.stop,
+                                          work=report, work_nonce=nonce)
         self.rounds.vet(record)
         metrics = self._apply_round(record, mean)
-        self.swarm.release_buffers()  # the average is applied (or not ours to): 4 bytes/param back
+        self.round_swarm.release_buffers()  # the average is applied (or not ours to): 4 bytes/param back
         if metrics is None and self._group_went_on_without_us(record):
             # The others took this round's step: we are a round behind from now on, and the
             # next validator's Train query would find us at the old epoch. Catch up now, not
@@ -387,6 +392,19 @@ class Miner(NeuronBase):
         answer = AllReduceResponse(joined=not record.error, epoch=self.epoch, round=record.to_dict())
         self.rounds.ran(request, answer, applied=metrics is not None)
         return answer
+
+    def _announced_round(self, request: AllReduceRequest, mean, weight: float, report, nonce: str, tokens: int):
+        """Our record of the round on dtrain's own protocol: we declare at its announcer (named by
+        the validator's query or the notice we joined from) and average with the signed membership."""
+        from dtrain.swarm.records import RoundRecord
+
+        announcer = request.announcer or self.rounds.announcer
+        if not announcer:
+            return RoundRecord(round_id=request.round_id, local_peer_id=self.model_rounds.peer_id,
+                               started_at=time.time(), error="the query names no announcer to declare at")
+        return self.model_rounds.run_round(mean, weight, round_id=request.round_id, epoch=request.epoch,
+                                           announcer=announcer, work=report, work_nonce=nonce, tokens=tokens,
+                                           stop=self.stop)
 
     def _group_went_on_without_us(self, record) -> bool:
         """Whether the group of a round we did not take the step of averaged without us (we

@@ -103,7 +103,7 @@ class MinerApi:
         from dtrain.api.server import HandlerError
         from dtrain.swarm.averaging.audit import audit_nonce
 
-        swarm = self.miner.swarm
+        swarm = self.miner.round_swarm
         if swarm is None or not swarm.sent_round or swarm.sent_round != request.group:
             raise HandlerError(404, f"no committed round {request.group} kept here (only the last round is)")
         parts = swarm.num_parts

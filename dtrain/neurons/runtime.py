@@ -310,6 +310,32 @@ def averaging_config(cfg: Config, log_path: Path | None):
     return settings_from(cfg, log_path)
 
 
+def announced_rounds(cfg: Config, node, templates, bench, chain, *, wallet=None, log_path: Path | None = None):
+    """The neuron's rounds on dtrain's own protocol (allreduce.protocol = dtrain): a transport on
+    ``node``'s DHT, whose memberships it accepts when a validator of ``chain`` signed them
+    (``wallet``: this validator's, to announce with), and the :class:`ModelRounds` of ``templates``.
+    Returns (transport, model rounds); the caller shuts the transport down."""
+    from dtrain.chain.permits import ValidatorPermits
+    from dtrain.swarm.model_rounds import ModelRounds
+    from dtrain.swarm.round import Rounds, RoundSettings
+    from dtrain.swarm.transport import Transport
+
+    a = cfg.allreduce
+    transport = Transport(node.dht, prefix=f"dtrain-{cfg.model.run_id}").start()
+    try:
+        rounds = Rounds(transport, may_announce=ValidatorPermits(chain, refresh_s=30.0), wallet=wallet)
+        # the window is the matchmaking window of the hivemind protocol: what the slot leaves for declarations
+        settings = RoundSettings(window_s=a.matchmaking_time, sender_timeout_s=a.allreduce_timeout,
+                                 reducer_timeout_s=a.allreduce_timeout)
+        model_rounds = ModelRounds(rounds, templates, bench.swarm_fingerprint, report_type=bench.mode.report_type,
+                                   mode=bench.mode.name, compression=a.compression,
+                                   robust=a.aggregation == "centered_clip", settings=settings, log_path=log_path)
+    except BaseException:
+        transport.shutdown()
+        raise
+    return transport, model_rounds
+
+
 def swarm_node_config(cfg: Config, data_dir: Path, initial_peers: list[str]):
     from dtrain.swarm.node import SwarmNodeConfig
     from dtrain.swarm.reachability import AddressError, fixed_port_host_maddrs

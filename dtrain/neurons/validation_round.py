@@ -252,7 +252,8 @@ def _verify_one(p: Probe, bench, cfg, challenge: Challenge) -> None:
 
 def allreduce_request(probes: list[Probe], *, run_id: str, epoch: int, round_no: int, digest: str,
                       weight_cap: float, deadline_s: float, probation: dict[str, int],
-                      refused: tuple = (), unchecked: dict | None = None) -> AllReduceRequest:
+                      refused: tuple = (), unchecked: dict | None = None,
+                   announcer: str | None = None) -> AllReduceRequest:
     """The AllReduce query, with each miner's weight cap: what we verified (round_rules.may_contribute)
     for the checked ones; the full cap for every other miner (``unchecked``: peer id -> hotkey),
     bound by its commitment like theirs, unless it is on probation; and the peers our round
@@ -266,7 +267,7 @@ def allreduce_request(probes: list[Probe], *, run_id: str, epoch: int, round_no:
     caps = weight_caps(allowed, weight_cap)
     return AllReduceRequest(round_id=f"{run_id}-{epoch}-{round_no}", epoch=epoch, weight_cap=weight_cap,
                             deadline_s=deadline_s, weight_caps=caps, params_digest=digest,
-                            refused=tuple(refused)[:64] or None)
+                            refused=tuple(refused)[:64] or None, announcer=announcer)
 
 
 def announce(dht, run_id: str, request: AllReduceRequest) -> str:
@@ -291,16 +292,8 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
     the group waits for (every live miner, the other validators met last round); ``announce()``
     stores the round notice on the DHT.
     """
-    from dtrain.api.client import ApiError
-
-    def ask(p: Probe) -> None:
-        try:
-            p.allreduce = client.allreduce(p.api, p.hotkey, request, timeout=request.deadline_s + 60)
-        except ApiError as exc:
-            p.allreduce_error = str(exc)
-
     with ThreadPoolExecutor(max_workers=min(16, len(probes)) + 1) as pool:
-        futures = [pool.submit(ask, p) for p in probes]
+        futures = [pool.submit(_ask_allreduce, client, p, request) for p in probes]
         # in the background: a DHT store can take seconds on a busy node, and the group must not
         # form among the miners before we are in matchmaking
         pool.submit(announce)
@@ -311,6 +304,42 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
         for f in futures:
             f.result()
     return record, tensors
+
+
+def announced_allreduce(client, model_rounds, probes: list[Probe], request: AllReduceRequest, *, announce,
+                        work_nonce: str, stop):
+    """The round on dtrain's own protocol: open its declaration window (the round runs on the
+    transport's loop), then ask the checked miners and store the notice every other miner joins
+    from; every member averages with the membership we sign when the window closes, each at most
+    its cap in the query (the caps are signed into it, so every member applies the same). Our
+    weight-0 part is zeros. Returns the round's record and the averaged tensors, not applied yet."""
+    holder: dict = {}
+
+    def run() -> None:
+        holder["tensors"] = model_rounds.into_buffers(lambda out: [b.zero_() for b in out])
+        holder["record"] = model_rounds.run_round(holder["tensors"], 0.0, round_id=request.round_id,
+                                                  epoch=request.epoch, work_nonce=work_nonce, stop=stop,
+                                                  caps=request.weight_caps)
+
+    with ThreadPoolExecutor(max_workers=min(16, len(probes)) + 2) as pool:
+        ours = pool.submit(run)
+        # a declaration that arrives an instant before the window opens waits for it (membership.EARLY_DECLARATION_S)
+        futures = [pool.submit(_ask_allreduce, client, p, request) for p in probes]
+        pool.submit(announce)
+        ours.result()
+        for f in futures:
+            f.result()
+    return holder["record"], holder["tensors"]
+
+
+def _ask_allreduce(client, p: Probe, request: AllReduceRequest) -> None:
+    """Send ``p`` the AllReduce query; its answer, or why it failed, on the probe."""
+    from dtrain.api.client import ApiError
+
+    try:
+        p.allreduce = client.allreduce(p.api, p.hotkey, request, timeout=request.deadline_s + 60)
+    except ApiError as exc:
+        p.allreduce_error = str(exc)
 
 
 def _zeroed_buffers(swarm, zeros: list) -> list:

@@ -273,7 +273,7 @@ class Validator(NeuronBase):
         later = [Probe.of(miners[peer]) for peer in later_audits(
             [peer for peer in record.work_reports if peer in self._in_step_with], {p.peer_id for p in probes},
             self.cfg.validator.unchecked_audits, random.Random(secrets.randbits(64)))]
-        found = audits.round_audit(self.client, self.swarm, probes + later, record, averaged, others=others)
+        found = audits.round_audit(self.client, self.round_swarm, probes + later, record, averaged, others=others)
         self._audit_refused.tick()
         for peer in (found.problems if found is not None else ()):
             self._audit_refused.name([peer], PROVEN_BENCH_ROUNDS if peer in found.proven else BENCH_ROUNDS)
@@ -321,7 +321,8 @@ class Validator(NeuronBase):
                                            digest=self._digest, weight_cap=self.bench.mode.weight_cap,
                                            deadline_s=round_deadline_s(self.cfg.allreduce),
                                            probation=self.state.probation, refused=tuple(self._audit_refused.named()),
-                                           unchecked={c.peer_id: hotkey for hotkey, c in commitments.items()})
+                                           unchecked={c.peer_id: hotkey for hotkey, c in commitments.items()},
+                                           announcer=self.node.peer_id if self.model_rounds is not None else None)
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "miners": len(probes)})
         # Every miner at our epoch joins, checked or not: the group waits for all that its progress
         # on the DHT shows there, and for the miners our last round averaged (they stepped with us).
@@ -330,14 +331,23 @@ class Validator(NeuronBase):
                     | (self._averaged_last & miner_ids))
         # whose work we can audit unchecked: it trained on our replica (we averaged together, whole)
         self._in_step_with = self._averaged_last & miner_ids if self._in_step else set()
-        record, averaged = phases.allreduce(self.client, self.swarm, probes, request, zeros=self.zeros,
-                                            expected=sorted(expected),
-                                            announce=lambda: self._announce(request),
-                                            work=self.bench.mode.empty_report(self.epoch),
-                                            work_nonce=work_nonce(self.bench.run_id, self.epoch), stop=self.stop)
+        if self.model_rounds is not None:
+            record, averaged = phases.announced_allreduce(self.client, self.model_rounds, probes, request,
+                                                          announce=lambda: self._announce(request),
+                                                          work_nonce=work_nonce(self.bench.run_id, self.epoch),
+                                                          stop=self.stop)
+        else:
+            record, averaged = phases.allreduce(self.client, self.swarm, probes, request, zeros=self.zeros,
+                                                expected=sorted(expected),
+                                                announce=lambda: self._announce(request),
+                                                work=self.bench.mode.empty_report(self.epoch),
+                                                work_nonce=work_nonce(self.bench.run_id, self.epoch), stop=self.stop)
         self._fellow_validators = fellow_validators(record, miner_ids, self.swarm.peer_id)
         self._averaged_last = {p.peer_id for p in record.peers if p.outcome.value == "SUCCESS"} if record.ok else set()
         return record, averaged
+
+    def _announcing_wallet(self):
+        return self.wallet
 
     def _live_miners(self, miner_peer_ids: set[str]) -> set[str]:
         try:
@@ -372,7 +382,7 @@ class Validator(NeuronBase):
     def _take_step(self, record, averaged) -> None:
         # Joining with weight 0, this replica receives the same average and takes the same step.
         applied = self._apply_round(record, averaged)
-        self.swarm.release_buffers()  # the average is applied (or not ours to): 4 bytes/param back
+        self.round_swarm.release_buffers()  # the average is applied (or not ours to): 4 bytes/param back
         if applied is not None:
             self._in_step = record.in_step
             self._save_checkpoint(uid=0)

@@ -48,6 +48,7 @@ class SandboxOptions:
     batch_audit: float = 1.0
     check: int | None = None  # validator.miners_per_round (None: every miner)
     model: str = "tiny"  # model.preset, trained at its sandbox scale (settings.SANDBOX_SCALES)
+    protocol: str = "hivemind"  # allreduce.protocol: hivemind, or dtrain (the announced round)
     directory: Path | None = None
     round_timeout_s: float | None = None  # None: the preset's sandbox scale
 
@@ -135,7 +136,7 @@ class Sandbox:
             ndir.mkdir(parents=True, exist_ok=True)
             save_config(neuron_config(self.root, member, total_miners, self.options.validators, self.options.mode,
                                       self.options.batch_audit, check=self.options.check,
-                                      model=self.options.model),
+                                      model=self.options.model, protocol=self.options.protocol),
                         ndir / "config.toml", overwrite=True)
         layout.store_dir(self.root).mkdir(exist_ok=True)
         layout.write_manifest(self.root, members, {"rounds": self.options.rounds, "started_at": self.started_at,

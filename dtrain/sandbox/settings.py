@@ -68,7 +68,7 @@ def sandbox_scale(preset: str) -> SandboxScale:
 
 def neuron_config(root: Path, member: Member, total_miners: int, validators: int = 1,
                   mode: str = "gradient", batch_audit: float = 1.0, check: int | None = None,
-                  model: str = "tiny") -> Config:
+                  model: str = "tiny", protocol: str = "hivemind") -> Config:
     """The config every sandbox neuron runs with: the ``model`` preset (tiny by default) at its
     sandbox scale, shipped text, loopback only."""
     scale = sandbox_scale(model)
@@ -104,6 +104,7 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     # as every expected miner is in, so a longer window costs nothing when they all come.
     a.matchmaking_time = max(a.matchmaking_time, 0.5 * total_miners)
     a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    a.protocol = protocol
     if mode == "diloco":
         a.mode, a.diloco_inner_steps, a.diloco_snapshot_every = "diloco", scale.diloco_h, scale.snapshot_every
         a.diloco_inner_warmup = min(SANDBOX_DILOCO_WARMUP, scale.diloco_h - 1)

@@ -1,0 +1,67 @@
+"""End to end on dtrain's own round protocol (allreduce.protocol = dtrain, docs/protocol.md 3a,
+"The announced round"): real neurons, where the validator announces each round, signs its
+membership, and every miner, checked (it comes on the query) or not (it joins from the notice),
+averages with exactly that group on dtrain's butterfly. Both modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_dtrain
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+MINERS = 3
+
+
+@pytest.fixture(scope="module", params=["gradient", "diloco"])
+def sandbox(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"announced-{request.param}") / "box"
+    # two of three checked: each round one miner comes only from the round notice
+    result = run_dtrain("sandbox", "--protocol", "dtrain", "--mode", request.param, "--miners", str(MINERS),
+                        "--check", "2", "--rounds", "2", "--dir", str(root), "--json", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, json.loads(result.stdout)
+
+
+def _round_logs(root, name: str) -> list[dict]:
+    logs = list((root / "neurons" / name / "data").glob("*/rounds.jsonl"))
+    assert len(logs) == 1, logs
+    return [json.loads(line) for line in logs[0].read_text().splitlines() if line.strip()]
+
+
+def test_every_round_averages_every_miner_and_nobody_is_at_fault(sandbox):
+    _, doc = sandbox
+    uids = set(range(1, MINERS + 1))
+    assert [r["round"] for r in doc["rounds"]] == [1, 2]
+    for r in doc["rounds"]:
+        assert r["status"] == "success" and r["error"] == "", r
+        assert set(r["averaged"]) == uids and r["fraction_averaged"] == 1.0, r
+        # the two miners the validator checked (and scores) this round
+        assert len(r["outcomes"]) == 2 and set(r["outcomes"]) <= {str(u) for u in uids}, r
+        assert set(r["outcomes"].values()) == {"SUCCESS"} and not r["notes"], r
+    loss = doc["loss"]
+    assert loss["end"] < loss["start"]
+
+
+def test_honest_miners_are_paid_alike_and_none_is_gated(sandbox):
+    _, doc = sandbox
+    for m in doc["miners"]:
+        assert m["kind"] == "honest" and not m["gated"], m
+        assert 0.5 / MINERS <= m["weight"] <= 1.5 / MINERS, m
+
+
+def test_every_member_ran_the_announced_round_with_the_one_signed_group(sandbox):
+    root, doc = sandbox
+    logs = {name: _round_logs(root, name) for name in ["validator"] + [f"miner{i}" for i in range(1, MINERS + 1)]}
+    validator_rounds = [r for r in logs["validator"] if not r["error"]]
+    assert len(validator_rounds) == 2
+    for record in validator_rounds:
+        # the validator's own round id (its run, epoch and round number), not a matchmade group's hex id
+        assert record["round_id"].startswith("sandbox-") and len(record["group"]) == MINERS + 1
+        for name in logs:
+            mine = [r for r in logs[name] if r["round_id"] == record["round_id"]]
+            assert len(mine) == 1 and mine[0]["error"] == "", (name, mine)
+            assert mine[0]["group"] == record["group"]  # exactly the signed membership, on every member
