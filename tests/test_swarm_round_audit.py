@@ -280,7 +280,7 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
     kept = types.SimpleNamespace(sent_round="ab12", num_parts=len(layout),
                                  sent_sketches=lambda round_id, nonce: sent.sketches(nonce),
                                  sent_wire=lambda round_id, part: sent.wire(part))
-    neuron = types.SimpleNamespace(swarm=kept)
+    neuron = types.SimpleNamespace(round_swarm=kept)  # what the handler reads (the swarm or the model rounds)
     unused = functools.partial(pytest.fail, "not this endpoint")
     server = MinerApiServer(
         Handlers(status=unused, train=unused, allreduce=unused, state_slice=unused,
