@@ -9,6 +9,8 @@ of the public sketch, which every check during the round passes.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -252,8 +254,9 @@ def test_audit_seeds_are_fresh_and_sketches_differ_by_seed():
 
 def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_path):
     """The miner's real handler behind the real server, asked by the real client with real
-    sr25519 hotkeys: the sketches of its last round's parts under the seed, one part's bytes
-    (which hash to the committed digest), 404 for another round, 422 for a part it has not."""
+    sr25519 hotkeys: the sketches of its last round's parts under the seed (asked while that
+    round is still ending, it waits for it), one part's bytes (which hash to the committed
+    digest), 404 for another round at once, 422 for a part it has not."""
     bt = pytest.importorskip("bittensor")
     import base64
     import functools
@@ -265,6 +268,7 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
     from dtrain.neurons.miner_api import MinerApi
     from dtrain.swarm.averaging.claims_tree import part_digest
     from dtrain.swarm.averaging.contribution import commit_parts
+    from dtrain.swarm.sent_round import SentRound
 
     wallets = {}
     for name in ("validator", "miner"):
@@ -277,7 +281,9 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
     layout = PartLayout.of(x, compression, 2048)
     sent = SentContribution(x, layout, compression, round_id="ab12")
     # what the handler reads of the swarm: the kept round, its parts, and the answers about it
-    kept = types.SimpleNamespace(sent_round="ab12", num_parts=len(layout),
+    last_sent = SentRound()
+    last_sent.begin()  # our round is still ending when the first audit arrives
+    kept = types.SimpleNamespace(wait_for_sent=last_sent.wait_for, num_parts=len(layout),
                                  sent_sketches=lambda round_id, nonce: sent.sketches(nonce),
                                  sent_wire=lambda round_id, part: sent.wire(part))
     neuron = types.SimpleNamespace(round_swarm=kept)  # what the handler reads (the swarm or the model rounds)
@@ -291,7 +297,12 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
         client = MinerClient(wallets["validator"], timeout=30)
         api, miner = f"127.0.0.1:{server.port}", server.self_hotkey
         seed = draw_seed()
+        ends = threading.Timer(1.0, last_sent.end, args=("ab12",))
+        ends.start()
+        t0 = time.monotonic()
         answer = client.round_audit(api, miner, RoundAuditRequest(group="ab12", seed=seed.hex()))
+        assert time.monotonic() - t0 >= 0.9  # it waited for the round to end, then answered for it
+        ends.join()
         got = np.frombuffer(base64.b64decode(answer.sketches), dtype="<f4").reshape(answer.parts, 64)
         assert answer.parts == len(layout) and np.array_equal(got, sent.sketches(audit_nonce(seed)))
         _, digests = commit_parts(x, layout, NONCE, compression)
@@ -299,9 +310,11 @@ def test_the_miner_answers_the_audit_of_its_last_round_over_the_signed_api(tmp_p
             wire = base64.b64decode(client.round_audit(api, miner, RoundAuditRequest(group="ab12", seed=seed.hex(),
                                                                                      part=part)).wire)
             assert part_digest(wire) == bytes(digests[part])
+        t0 = time.monotonic()
         with pytest.raises(ApiError) as other_round:
             client.round_audit(api, miner, RoundAuditRequest(group="cd34", seed=seed.hex()))
         assert other_round.value.status == 404 and "only the last round" in str(other_round.value)
+        assert time.monotonic() - t0 < 5  # no round of ours runs: nothing to wait for
         with pytest.raises(ApiError) as no_part:
             client.round_audit(api, miner, RoundAuditRequest(group="ab12", seed=seed.hex(), part=len(layout)))
         assert no_part.value.status == 422 and "'part'" in str(no_part.value)

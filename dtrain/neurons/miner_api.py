@@ -23,6 +23,9 @@ from dtrain.neurons.runtime import NeuronError
 MAX_QUERY_PAGES = 64
 # How long a Train query waits for the training thread.
 TRAIN_ANSWER_S = 300.0
+# How long a round audit waits for our own round to end: a validator audits as soon as its round
+# ended, and ours may end moments later. Well inside the validator's 60 s audit request.
+ROUND_AUDIT_WAIT_S = 20.0
 
 
 class MinerApi:
@@ -97,14 +100,15 @@ class MinerApi:
     def round_audit(self, request: RoundAuditRequest, caller: str) -> RoundAuditResponse:
         """The secret-seed audit of our last round (dtrain.swarm.averaging.audit): what we sent,
         sketched under the validator's seed, or one part's wire bytes for a dispute. 404 when
-        that round is not the one we kept (only the last is)."""
+        that round is not the one we kept (only the last is). An audit that arrives while our
+        round is still ending waits for it (ROUND_AUDIT_WAIT_S)."""
         import base64
 
         from dtrain.api.server import HandlerError
         from dtrain.swarm.averaging.audit import audit_nonce
 
         swarm = self.miner.round_swarm
-        if swarm is None or not swarm.sent_round or swarm.sent_round != request.group:
+        if swarm is None or not swarm.wait_for_sent(request.group, ROUND_AUDIT_WAIT_S):
             raise HandlerError(404, f"no committed round {request.group} kept here (only the last round is)")
         parts = swarm.num_parts
         if request.part is not None and request.part >= parts:

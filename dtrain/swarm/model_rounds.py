@@ -24,6 +24,7 @@ from dtrain.swarm.codecs import part_codec
 from dtrain.swarm.commitments import CommittedChecks, commit
 from dtrain.swarm.records import RoundLog, RoundRecord
 from dtrain.swarm.round import Round, Rounds, RoundSettings, Stage, record_of
+from dtrain.swarm.sent_round import SentRound
 
 # Values per part: 128 Ki float32 (512 KiB on the uncompressed wire), fewer for a model so small
 # that a group of 32 would otherwise leave reducers without a part.
@@ -65,7 +66,7 @@ class ModelRounds:
         self._lock = threading.Lock()  # the buffers: one round (or one writer) at a time
         self.last_record: Optional[RoundRecord] = None
         self.last_round: Optional[Round] = None
-        self.sent_round: Optional[str] = None  # the round id of our last committed round
+        self._last_sent = SentRound()  # our last committed round, the one the round audit asks about
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros(shape, dtype=torch.float32) for shape, _ in self._shapes]
@@ -129,14 +130,20 @@ class ModelRounds:
                     b.copy_(t.detach().to(device="cpu", dtype=torch.float32))
             parts = self.layout.views(buffers)
             checks, gather = self._checks(round_id, buffers, parts, work, work_nonce)
-            if announcer is None:
-                rnd = self.rounds.announce(round_id, epoch, parts, self.codec, self.settings, checks=checks,
-                                           caps=caps)
-            else:
-                rnd = self.rounds.join(announcer, round_id, epoch, parts, self.codec, float(weight), self.settings,
-                                       checks=checks, gather=gather, reduces=True)
-            self.last_round = rnd
-            finished = self._wait(rnd, timeout_s, stop)
+            self._last_sent.begin()
+            committed = None
+            try:
+                if announcer is None:
+                    rnd = self.rounds.announce(round_id, epoch, parts, self.codec, self.settings, checks=checks,
+                                               caps=caps)
+                else:
+                    rnd = self.rounds.join(announcer, round_id, epoch, parts, self.codec, float(weight),
+                                           self.settings, checks=checks, gather=gather, reduces=True)
+                self.last_round = rnd
+                finished = self._wait(rnd, timeout_s, stop)
+                committed = round_id if work is not None and finished and rnd.stage == Stage.DONE else None
+            finally:
+                self._last_sent.end(committed)
             record = record_of(rnd, self.peer_id, self.sizes, checks, fingerprint=self.fingerprint,
                                compression=self.codec.name, mode=self.mode, tokens=tokens)
             if not finished:
@@ -147,7 +154,6 @@ class ModelRounds:
                 for b, t in zip(buffers, tensors):
                     if b.data_ptr() != t.data_ptr():
                         t.copy_(b.to(device=t.device, dtype=t.dtype))
-            self.sent_round = round_id if work is not None and finished and rnd.stage == Stage.DONE else None
         self.last_record = record
         if self._log is not None:
             self._log.append(record)
@@ -211,6 +217,15 @@ class ModelRounds:
         if not 0 <= part < self.num_parts:
             raise IndexError(f"part {part} of {self.num_parts}")
         return self._sent(round_id).wire(part)
+
+    @property
+    def sent_round(self) -> Optional[str]:
+        """The round id of our last committed round (None while a round runs, or none was committed)."""
+        return self._last_sent.round_id
+
+    def wait_for_sent(self, round_id: str, timeout_s: float) -> bool:
+        """True when ``round_id`` is our last committed round, waiting while our round still runs."""
+        return self._last_sent.wait_for(round_id, timeout_s)
 
     def _sent(self, round_id: str) -> SentContribution:
         sent = self.rounds.kept.sent(round_id) if self.sent_round == round_id else None

@@ -30,6 +30,7 @@ from dtrain.swarm.averaging.report import RoundReport
 from dtrain.swarm.averaging.settings import AveragingConfig, part_size_for
 from dtrain.swarm.averaging.waits import NoAnswer, wait_unless_stopped
 from dtrain.swarm.records import Outcome, PeerResult, RoundLog, RoundRecord
+from dtrain.swarm.sent_round import SentRound
 from dtrain.swarm.wire import make_compression
 
 # Beyond a round's matchmaking and all-reduce timeouts, how long the caller waits for the
@@ -74,7 +75,7 @@ class GradientSwarm:
         self._last_stage: Optional[str] = None
         self._layout = None
         self._bench = BenchList()  # reducers we name as refused (in memory: a restart forgets)
-        self.sent_round: Optional[str] = None  # the round id of our last committed round
+        self._last_sent = SentRound()  # our last committed round, the one the round audit asks about
         handler = SwarmAverager(report_type=report_type, compression=config.compression,
                                 state_provider=state_provider, mechanisms=mechanisms, kept_dir=config.kept_dir)
         self._averager = wall.AveragerProcess(self._buffers, dht, handler=handler, start=True,
@@ -95,6 +96,15 @@ class GradientSwarm:
     @property
     def peer_id(self) -> str:
         return str(self.dht.peer_id)
+
+    @property
+    def sent_round(self) -> Optional[str]:
+        """The round id of our last committed round (None while a round runs, or none was committed)."""
+        return self._last_sent.round_id
+
+    def wait_for_sent(self, round_id: str, timeout_s: float) -> bool:
+        """True when ``round_id`` is our last committed round, waiting while our round still runs."""
+        return self._last_sent.wait_for(round_id, timeout_s)
 
     @property
     def stage(self) -> Optional[str]:
@@ -159,15 +169,20 @@ class GradientSwarm:
                         b.copy_(t.detach().to(device="cpu", dtype=b.dtype))
         except TimeoutError as exc:
             return self._failed_record(str(exc), weight, tokens)
-        self.sent_round = None  # the averager keeps only this round's from now on
-        gather = self._gather(tensors, weight, cap, norm, peer_caps, expected_peers, work, work_nonce)
-        started, t0 = time.time(), time.monotonic()
-        result, error = self._step_and_wait(gather, weight, cap, timeout_s, stop)
-        record = self._new_record(started, time.monotonic() - t0, tokens)
-        if error or not isinstance(result, RoundReport):
-            self._mark_failed(record, error or "averager returned no report", weight)
-        else:
-            self._fill(record, result, tensors, committed=work_nonce is not None)
+        self._last_sent.begin()  # the averager keeps only this round's from now on
+        committed = None
+        try:
+            gather = self._gather(tensors, weight, cap, norm, peer_caps, expected_peers, work, work_nonce)
+            started, t0 = time.time(), time.monotonic()
+            result, error = self._step_and_wait(gather, weight, cap, timeout_s, stop)
+            record = self._new_record(started, time.monotonic() - t0, tokens)
+            if error or not isinstance(result, RoundReport):
+                self._mark_failed(record, error or "averager returned no report", weight)
+            else:
+                self._fill(record, result, tensors)
+                committed = record.round_id if work_nonce is not None else None
+        finally:
+            self._last_sent.end(committed)
         missing = [p for p in expected_peers if p not in record.group]
         if missing:
             alive = node.reachable(self.dht, missing)
@@ -292,7 +307,7 @@ class GradientSwarm:
         self._mark_failed(record, error, weight)
         return self._keep(record)
 
-    def _fill(self, record: RoundRecord, report: RoundReport, tensors: Sequence[torch.Tensor], committed: bool) -> None:
+    def _fill(self, record: RoundRecord, report: RoundReport, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the averager's report into ``record``, and the average into ``tensors``."""
         for name in ("round_id", "bytes_sent", "bytes_received", "fraction_averaged", "fraction_refused",
                      "fraction_recovered", "total_weight", "allreduce_s", "result_check_s"):
@@ -302,7 +317,6 @@ class GradientSwarm:
         # reducers refused for what they returned are named in our next gathers (group_rules.bench_votes)
         self._bench.tick()
         self._bench.name(report.refused, BENCH_ROUNDS)
-        self.sent_round = record.round_id if committed and record.round_id else None
         if report.out_of_step:
             record.error = report.out_of_step  # nothing of this group is ours to apply
             return
