@@ -100,9 +100,10 @@ def neuron_config(root: Path, member: Member, total_miners: int, validators: int
     a = cfg.allreduce
     a.min_group_size, a.target_group_size = 2, 64
     a.matchmaking_time, a.request_timeout, a.allreduce_timeout = scale.matchmaking_s, 3.0, scale.allreduce_timeout
-    # Many neurons on one machine reach matchmaking seconds apart; the group still forms as soon
+    # Many neurons on one machine reach matchmaking seconds apart (miners run at a lower CPU
+    # priority than the validator, orchestrator.MINER_NICENESS); the group still forms as soon
     # as every expected miner is in, so a longer window costs nothing when they all come.
-    a.matchmaking_time = max(a.matchmaking_time, 0.5 * total_miners)
+    a.matchmaking_time = max(a.matchmaking_time, 1.0 * total_miners)
     a.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
     a.protocol = protocol
     if mode == "diloco":
