@@ -230,7 +230,9 @@ class Validator(NeuronBase):
         scores = self._score(probes, record, neurons, round_no, round_epoch,
                              caught=audits.caught(probes + later, record))
         weights = self._set_weights(neurons)
-        summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s)
+        caught = {p.uid: p.note for p in later if p.work is not None and not p.work.passed}
+        summary = self._summary(round_no, probes, record, scores, weights, loss_before, loss_after, verify_s,
+                                caught)
         summary["audit_s"] = round(audit_s, 3)
         self._persist(round_no, summary, loss_before, loss_after)
         return True
@@ -414,10 +416,12 @@ class Validator(NeuronBase):
     def _set_weights(self, neurons) -> dict[int, float]:
         return report.set_weights(self.chain, self.uid, self.state, neurons, self.tel)
 
-    def _summary(self, round_no, probes, record, scores, weights, loss_before, loss_after, verify_s) -> dict:
+    def _summary(self, round_no, probes, record, scores, weights, loss_before, loss_after, verify_s,
+                 caught) -> dict:
         self._update_miner_table(weights)
         return report.round_summary(round_no, self.epoch, probes, record, scores, weights, self.state.ema,
-                                    loss=(loss_before, loss_after), verify_s=verify_s, uids=self._uids_by_peer)
+                                    loss=(loss_before, loss_after), verify_s=verify_s, uids=self._uids_by_peer,
+                                    caught=caught)
 
     # ------------------------------------------------------------------ helpers
 

@@ -42,9 +42,11 @@ def set_weights(chain, uid: int, state, neurons, tel) -> dict[int, float]:
 
 
 def round_summary(round_no: int, epoch: int, probes, record, scores, weights, ema, *, loss: tuple[float, float],
-                  verify_s: float, uids: dict[str, int]) -> dict:
+                  verify_s: float, uids: dict[str, int], caught: dict[int, str] | None = None) -> dict:
     """One round as state.json keeps it. ``miners``: the checked ones, scored; ``averaged``: the uid
-    of every miner the round's group averaged (SUCCESS), checked or not (``uids``: peer id -> uid)."""
+    of every miner the round's group averaged (SUCCESS), checked or not (``uids``: peer id -> uid);
+    ``caught``: uid -> why, for the unchecked miners the round's audits or record caught (not
+    scored, put on probation)."""
     rows = []
     for probe in probes:
         s = scores[probe.uid]
@@ -62,6 +64,7 @@ def round_summary(round_no: int, epoch: int, probes, record, scores, weights, em
         "fraction_averaged": record.fraction_averaged, "error": record.error,
         "loss_before": loss[0], "loss_after": loss[1], "verify_s": round(verify_s, 3),
         "train_query_s": round(sum(p.train_seconds for p in probes), 3), "miners": rows,
+        "caught": {str(uid): note for uid, note in sorted((caught or {}).items())},
         "time": time.time(),
     }
 

@@ -84,7 +84,9 @@ def _round_row(r: dict) -> dict:
             "outcomes": {str(m["uid"]): m["outcome"] for m in r.get("miners", [])},
             # verified samples per checked miner: what its steps score (and pay) follows
             "credited": {str(m["uid"]): m.get("credited") for m in r.get("miners", [])},
-            "notes": {str(m["uid"]): m.get("note", "") for m in r.get("miners", []) if m.get("note")}}
+            # the checked miners' notes, and why the round caught an unchecked one
+            "notes": {**{uid: f"not checked this round: {why}" for uid, why in r.get("caught", {}).items()},
+                      **{str(m["uid"]): m.get("note", "") for m in r.get("miners", []) if m.get("note")}}}
 
 
 def _miner_rows(members: list[Member], state: dict,
