@@ -429,6 +429,40 @@ def test_diloco_audit_checks_an_epoch_that_starts_from_carried_moments(bench_of,
     assert not verdict.passed and "committed none at the end of epoch 0" in verdict.problem
 
 
+
+def test_diloco_drops_a_part_batch_left_at_its_round_so_the_next_epoch_commits_only_its_own_pages(tmp_path):
+    """The round ends an epoch one inner step and half a local batch in: the half batch (taken at
+    the old parameters) must not go into the next epoch's first step, whose moments are carried,
+    or that step claims more samples than its pages hold and its replay fails (an honest miner
+    on probation; issue #50's CI failure)."""
+    from dtrain.neurons.runtime import build_workbench
+
+    cfg = _config("diloco")
+    cfg.training.local_batch_size = 8  # two pages per inner step
+    miner, validator = build_workbench(cfg), build_workbench(cfg)
+    miner.mode.open_store(tmp_path)
+    miner.mode.start_epoch(0)
+    for counter, page in enumerate(_own_pages(miner, 2, 0, 3)):
+        miner.mode.train_page(miner.reader.read_pages([page]), page=page, counter=counter, epoch=0)
+    assert miner.mode.trajectory.steps_done == 1 and miner.mode.inner.accumulated_samples == 4
+    c0 = miner.mode.contribution(miner.mode.samples, miner.mode.weight_cap)
+    read = _reader_of(miner.mode)
+    verdict, = validator.mode.audit([AuditRequest(uid=2, report=c0.report, read_snapshot=read)], epoch=0,
+                                    rng=random.Random(0))
+    assert verdict.passed, verdict.problem
+    for bench in (miner, validator):
+        assert bench.mode.apply_average(_record(), _copy(c0.tensors)) is not None
+    miner.mode.start_epoch(1)
+    assert miner.mode.trajectory.t0 == 1  # the committed moments carry on
+    assert miner.mode.inner.accumulated_samples == 0
+    _train(miner, uid=2, epoch=1)
+    report = miner.mode.contribution(miner.mode.samples, miner.mode.weight_cap).report
+    assert [(s.samples, len(s.pages)) for s in report.steps] == [(8, 2)] * H
+    for seed in range(6):  # every stretch replays, the first from the carried moments
+        verdict, = validator.mode.audit([AuditRequest(uid=2, report=report, read_snapshot=read)], epoch=1,
+                                        rng=random.Random(seed))
+        assert verdict.passed, verdict.problem
+
 # ---------------------------------------------------------------------------------- one real round
 
 

@@ -80,6 +80,9 @@ class DiLoCo(Mode):
         self.inner.copy_parameters_from(self.trainer.params)
         if not keep:
             self.inner.reset_optimizer_state()
+        # A part batch left when the round came was taken at the old parameters and is in no
+        # committed step: it must not go into this epoch's first one.
+        self.inner.zero_grad()
         self._committed_end = None
         self.trajectory.start(epoch, self.inner.params, t0=t0)
         self._step_pages = []
