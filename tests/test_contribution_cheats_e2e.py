@@ -48,9 +48,16 @@ def test_each_cheat_ends_below_a_quarter_of_the_weakest_honest_miner(run):
 
 
 def test_an_honest_miner_on_another_optimizer_keeps_its_weight(run):
-    honest = [m["weight"] for m in run["miners"] if m["kind"] == "honest"]
+    honest = [m for m in run["miners"] if m["kind"] == "honest"]
     fused = _by_kind(run)["fused-adamw"]
-    assert fused["weight"] >= 0.8 * sum(honest) / len(honest), (fused, honest)
+    # What the optimizer could cost it: its checks. It passes them as the honest miners do and
+    # no round or audit notes anything against it.
+    assert not fused["gated"] and fused["components"]["gradient"] >= 0.99, fused
+    assert not any(r["notes"].get(str(fused["uid"])) for r in run["rounds"]), [r["notes"] for r in run["rounds"]]
+    # Its weight is then an honest miner's. Honest weights differ by what each round measured
+    # of them (the state-slice download, the batch beside the other checked miners'): up to
+    # 0.206-0.317 in one run at one or two checks each, so it is held to the weakest's range.
+    assert fused["weight"] >= 0.75 * min(m["weight"] for m in honest), (fused, honest)
     outcomes = [r["outcomes"][str(fused["uid"])] for r in run["rounds"] if str(fused["uid"]) in r["outcomes"]]
     assert outcomes and outcomes.count("SUCCESS") >= len(outcomes) - 1, outcomes
     assert all(fused["uid"] in r["averaged"] for r in run["rounds"]), [r["averaged"] for r in run["rounds"]]
