@@ -65,3 +65,44 @@ def test_every_member_ran_the_announced_round_with_the_one_signed_group(sandbox)
             mine = [r for r in logs[name] if r["round_id"] == record["round_id"]]
             assert len(mine) == 1 and mine[0]["error"] == "", (name, mine)
             assert mine[0]["group"] == record["group"]  # exactly the signed membership, on every member
+
+
+REDUCER_CHEATS = {
+    # kind -> what names it in the round it cheated in: every receiver's public check of its
+    # account, or (the null-space one, which passes it) the validator's secret-seed round audit
+    "negating-reducer": "refused as a reducer: returned a part its account does not explain",
+    "scaling-reducer": "refused as a reducer: returned a part its account does not explain",
+    "nullspace-reducer": "not the combination its account states",
+}
+
+
+@pytest.fixture(scope="module")
+def reducer_cheats(tmp_path_factory):
+    root = tmp_path_factory.mktemp("announced-reducers") / "box"
+    args = ["sandbox", "--protocol", "dtrain", "--miners", str(MINERS), "--rounds", "3", "--dir", str(root), "--json"]
+    for kind in REDUCER_CHEATS:
+        args += ["--adversary", kind]
+    result = run_dtrain(*args, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_cheating_reducers_are_caught_benched_and_unpaid(reducer_cheats):
+    doc = reducer_cheats
+    honest = [m for m in doc["miners"] if m["kind"] == "honest"]
+    cheats = {m["kind"]: m for m in doc["miners"] if m["kind"] != "honest"}
+    assert all(r["status"] == "success" for r in doc["rounds"]) and doc["loss"]["end"] < doc["loss"]["start"]
+    first, *later = doc["rounds"]
+    for kind, why in REDUCER_CHEATS.items():
+        uid = str(cheats[kind]["uid"])
+        assert first["outcomes"][uid] == "FAIL" and why in first["notes"][uid], (kind, first["notes"])
+        # on probation from then on (caught with proof), so its weight is capped to 0: never averaged
+        assert all(r["outcomes"].get(uid) != "FAIL" or "probation" in r["notes"].get(uid, "") for r in later)
+        assert all(cheats[kind]["uid"] not in r["averaged"] for r in doc["rounds"])
+        assert cheats[kind]["weight"] <= 0.25 * min(m["weight"] for m in honest), (kind, cheats[kind], honest)
+    # the round they cheated in has their shares zeroed; after it they reduce nothing (benched)
+    assert first["fraction_averaged"] < 1.0
+    assert all(r["fraction_averaged"] == 1.0 for r in later), [r["fraction_averaged"] for r in later]
+    for m in honest:
+        assert not m["gated"] and m["weight"] > 0, m
+        assert all(m["uid"] in r["averaged"] for r in doc["rounds"]), doc["rounds"]

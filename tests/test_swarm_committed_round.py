@@ -295,3 +295,39 @@ def test_the_result_check_refuses_a_reducer_whose_results_hide_a_change_from_the
         layout = PartLayout.of_values(honest[0], VALUES_PER_PART)
         holder = received if m == 0 else sent[m - 1]
         assert all(torch.equal(v, torch.zeros_like(v)) for v in layout.views(holder)[first:end])
+
+
+@pytest.mark.parametrize("kind", ["negating-reducer", "scaling-reducer", "nullspace-reducer"])
+def test_the_sandboxs_cheating_reducers_are_refused_by_every_other_receiver(rounds, kind):
+    """The sandbox's reducer cheats (dtrain/sandbox/adversary.py) on dtrain's round: each returns
+    an altered result with the true account and keeps the true combination for itself. The public
+    check of the account refuses a negated or rescaled result; the null-space one passes it and
+    the result check refuses it. Every other receiver holds zeros for the cheat's share."""
+    from dtrain.sandbox.adversary import MINERS
+
+    cheat = 1
+    cheating_checks = MINERS[kind]._mechanisms(None).round_checks
+    done, checks, honest, sent, received = run_round(rounds, checks_of=cheat_at(cheat, cheating_checks))
+    validator = done[0]
+    cheat_member = member_of(validator, rounds[0][cheat + 1])
+    first, end = validator.membership.membership.share_of(cheat_member)
+    assert end > first
+    layout = PartLayout.of_values(honest[0], VALUES_PER_PART)
+    mean = layout.views(weighted_mean(honest, [float(s) for s in SAMPLES]))
+    refused_for = "returned a part that does not add up" if kind == "nullspace-reducer" else "account does not explain"
+    for m, rnd in enumerate(done):
+        holder = layout.views(received if m == 0 else sent[m - 1])
+        if m == cheat + 1:  # its own copy of its share is the true combination
+            assert rnd.stage == Stage.DONE and rnd.outcome.refused_reducers == {}
+            assert all(torch.allclose(holder[g], mean[g], atol=1e-5) for g in range(first, end))
+            continue
+        assert refused_for in rnd.outcome.refused_reducers.get(cheat_member, ""), (kind, rnd.outcome.refused_reducers)
+        assert set(rnd.outcome.refused_reducers) == {cheat_member}
+        assert all(torch.equal(holder[g], torch.zeros_like(holder[g])) for g in range(first, end))
+        # every other share is the weighted mean of what was committed
+        assert all(torch.allclose(holder[g], mean[g], atol=1e-5) for g in range(len(holder)) if not first <= g < end)
+    # FAIL in the validator's record; proven when its own bytes fail the public checks (every
+    # receiver of them refuses it alike), not on the result check (it rests on senders' answers)
+    record = record_of(validator, rounds[0][0].transport.peer_id, layout_sizes(honest), checks[0])
+    found = record.result_of(rounds[0][cheat + 1].transport.peer_id)
+    assert found.outcome == Outcome.FAIL and found.proven == (kind != "nullspace-reducer"), found

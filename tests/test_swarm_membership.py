@@ -137,6 +137,9 @@ def test_shares_go_to_the_members_that_reduce_by_their_bandwidth():
     # four reducers, one with a tenth of the others' upload: it reduces least (the LP's optimum)
     shares = reducer_shares([d(True, 10.0), d(True, 10.0), d(True, 10.0), d(True, 1.0)], 100)
     assert sum(shares) == 100 and shares[3] < min(shares[:3])
+    # a benched member reduces nothing and the others take its share; benching every reducer benches none
+    assert reducer_shares([d(False), d(True), d(True), d(True)], 10, benched={2}) == (0, 5, 0, 5)
+    assert reducer_shares([d(False), d(True), d(True)], 10, benched={1, 2}) == (0, 5, 5)
     back = Declaration.from_bytes(d(True, 2.5).to_bytes())
     assert back.bandwidth == 2.5 and Declaration.from_bytes(d(True).to_bytes()).bandwidth is None
 

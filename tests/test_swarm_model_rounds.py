@@ -105,6 +105,39 @@ def test_the_announcers_caps_are_signed_into_the_membership_and_every_member_app
         assert [used[m] for m in miners] == list(weights) and record.total_weight == sum(weights)
 
 
+def test_a_reducer_the_announcers_checks_refused_reduces_no_share_in_its_next_rounds(rounds):
+    """The sandbox's negating reducer on node 1: refused by every receiver in its first round
+    (FAIL in the validator's record); in the next, the announcer gives it no share. It still
+    sends, so every member then holds the weighted mean of all three and nobody is refused."""
+    from dtrain.sandbox.adversary import MINERS
+    from dtrain.swarm.commitments import CommittedChecks
+
+    nodes, _ = rounds
+    templates = [torch.zeros(shape) for shape in SHAPES]
+    negating = MINERS["negating-reducer"]._mechanisms(None).round_checks
+    # a validator of its own: its bench must not reach the other tests' rounds
+    fresh = [ModelRounds(node, templates, "model-a", report_type=WorkReport, settings=SETTINGS, part_values=500,
+                         robust=False, checks_type=negating if i == 1 else CommittedChecks)
+             for i, node in enumerate(nodes)]
+    cheat = fresh[1].peer_id
+    _, records, _, _ = run(fresh, contributions(7))
+    membership = fresh[0].last_round.membership.membership
+    assert membership.shares[membership.index(cheat)] > 0
+    assert records[0].outcome_of(cheat) == Outcome.FAIL
+    assert "refused as a reducer" in next(p.reason for p in records[0].peers if p.peer_id == cheat)
+    honest = contributions(8)
+    _, records, tensors, received = run(fresh, honest)
+    membership = fresh[0].last_round.membership.membership
+    assert membership.shares[membership.index(cheat)] == 0 and sum(membership.shares) == membership.num_parts
+    assert membership.sender_index(membership.index(cheat)) is not None
+    expected = [sum(w * m[i] for m, w in zip(honest, SAMPLES)) / sum(SAMPLES) for i in range(len(SHAPES))]
+    for holder in [received, *tensors]:
+        for got, want in zip(holder, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for record in records:
+        assert record.ok and record.fraction_averaged == 1.0 and {p.outcome for p in record.peers} == {Outcome.SUCCESS}
+
+
 def test_a_miner_of_another_epoch_sits_out_keeps_its_values_and_is_nobodys_fault(swarms):
     honest = contributions(2)
     round_id, records, tensors, received = run(swarms, honest, epochs=(5, 5, 4))

@@ -206,7 +206,8 @@ class NeuronBase:
             try:
                 self.round_transport, self.model_rounds = runtime.announced_rounds(
                     self.cfg, self.node, [p.detach() for p in self.trainer.params], self.bench, self.chain,
-                    wallet=self._announcing_wallet(), log_path=self.dir / "rounds.jsonl")
+                    wallet=self._announcing_wallet(), log_path=self.dir / "rounds.jsonl",
+                    checks_type=self._mechanisms().round_checks)
             except BaseException:
                 self._stop_swarm()
                 raise

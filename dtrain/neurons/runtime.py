@@ -310,12 +310,15 @@ def averaging_config(cfg: Config, log_path: Path | None):
     return settings_from(cfg, log_path)
 
 
-def announced_rounds(cfg: Config, node, templates, bench, chain, *, wallet=None, log_path: Path | None = None):
+def announced_rounds(cfg: Config, node, templates, bench, chain, *, wallet=None, log_path: Path | None = None,
+                     checks_type: type | None = None):
     """The neuron's rounds on dtrain's own protocol (allreduce.protocol = dtrain): a transport on
     ``node``'s DHT, whose memberships it accepts when a validator of ``chain`` signed them
     (``wallet``: this validator's, to announce with), and the :class:`ModelRounds` of ``templates``.
+    ``checks_type``: the class of each round's checks (None: the honest CommittedChecks).
     Returns (transport, model rounds); the caller shuts the transport down."""
     from dtrain.chain.permits import ValidatorPermits
+    from dtrain.swarm.commitments import CommittedChecks
     from dtrain.swarm.model_rounds import ModelRounds
     from dtrain.swarm.round import Rounds, RoundSettings
     from dtrain.swarm.transport import Transport
@@ -329,7 +332,8 @@ def announced_rounds(cfg: Config, node, templates, bench, chain, *, wallet=None,
                                  reducer_timeout_s=a.allreduce_timeout)
         model_rounds = ModelRounds(rounds, templates, bench.swarm_fingerprint, report_type=bench.mode.report_type,
                                    mode=bench.mode.name, compression=a.compression,
-                                   robust=a.aggregation == "centered_clip", settings=settings, log_path=log_path)
+                                   robust=a.aggregation == "centered_clip", settings=settings, log_path=log_path,
+                                   checks_type=checks_type or CommittedChecks)
     except BaseException:
         transport.shutdown()
         raise

@@ -311,15 +311,16 @@ def announced_allreduce(client, model_rounds, probes: list[Probe], request: AllR
     """The round on dtrain's own protocol: open its declaration window (the round runs on the
     transport's loop), then ask the checked miners and store the notice every other miner joins
     from; every member averages with the membership we sign when the window closes, each at most
-    its cap in the query (the caps are signed into it, so every member applies the same). Our
-    weight-0 part is zeros. Returns the round's record and the averaged tensors, not applied yet."""
+    its cap in the query (the caps are signed into it, so every member applies the same), and the
+    peers our round audits caught lately (the query's ``refused``) reduce no share. Our weight-0
+    part is zeros. Returns the round's record and the averaged tensors, not applied yet."""
     holder: dict = {}
 
     def run() -> None:
         holder["tensors"] = model_rounds.into_buffers(lambda out: [b.zero_() for b in out])
         holder["record"] = model_rounds.run_round(holder["tensors"], 0.0, round_id=request.round_id,
                                                   epoch=request.epoch, work_nonce=work_nonce, stop=stop,
-                                                  caps=request.weight_caps)
+                                                  caps=request.weight_caps, benched=request.refused or ())
 
     with ThreadPoolExecutor(max_workers=min(16, len(probes)) + 2) as pool:
         ours = pool.submit(run)

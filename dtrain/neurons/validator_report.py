@@ -44,7 +44,7 @@ def set_weights(chain, uid: int, state, neurons, tel) -> dict[int, float]:
 def round_summary(round_no: int, epoch: int, probes, record, scores, weights, ema, *, loss: tuple[float, float],
                   verify_s: float, uids: dict[str, int], caught: dict[int, str] | None = None) -> dict:
     """One round as state.json keeps it. ``miners``: the checked ones, scored; ``averaged``: the uid
-    of every miner the round's group averaged (SUCCESS), checked or not (``uids``: peer id -> uid);
+    of every miner whose contribution the round's group averaged (SUCCESS, weight > 0), checked or not (``uids``: peer id -> uid);
     ``caught``: uid -> why, for the unchecked miners the round's audits or record caught (not
     scored, put on probation)."""
     rows = []
@@ -55,7 +55,9 @@ def round_summary(round_no: int, epoch: int, probes, record, scores, weights, em
                      "weight": weights.get(probe.uid, 0.0), "gated": list(s.gated), "note": probe.note,
                      "train_s": round(probe.train_seconds, 3)})
     participants = [r["uid"] for r in rows if r["outcome"] == "SUCCESS"]
-    averaged = sorted(uids[p.peer_id] for p in record.peers if p.peer_id in uids and p.outcome.value == "SUCCESS")
+    # a member whose weight was capped to 0 (on probation, failed its check) only received
+    averaged = sorted(uids[p.peer_id] for p in record.peers
+                      if p.peer_id in uids and p.outcome.value == "SUCCESS" and p.weight_used > 0)
     return {
         "round": round_no, "epoch": epoch, "round_id": record.round_id,
         "status": "success" if record.ok else "failed", "participants": participants, "averaged": averaged,

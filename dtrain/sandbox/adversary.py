@@ -305,25 +305,39 @@ class _SandbaggingDiLoCo(DiLoCo):
 
 
 def _altering_reply(alter):
-    """Butterfly mechanisms whose reply returns ``alter(averaged part)`` to every other member, with
-    the true account (its own copy of its share stays the true combination)."""
+    """Round mechanisms whose reducer returns ``alter(averaged part)`` to every other member, with
+    the true account (its own copy of its share stays the true combination), on either protocol:
+    hivemind's (the reply) and dtrain's own (the round's checks publish it)."""
     from dtrain.swarm.averaging.mechanisms import Mechanisms
     from dtrain.swarm.averaging.reply import ReducerReply
+    from dtrain.swarm.commitments import CommittedChecks
 
     class AlteringReply(ReducerReply):
         def serialized(self, part_index, averaged, compression):
             return super().serialized(part_index, alter(averaged, plan=self.plan, part_index=part_index), compression)
 
-    return Mechanisms(reply=AlteringReply)
+    class AlteringChecks(CommittedChecks):
+        def published(self, j, averaged):
+            g = self.membership.share_of(self.me)[0] + j
+            param_index, start, _ = self.layout.parts[g]
+            return alter(averaged, param_index=param_index, start=start, nonce=self.nonce,
+                         committed=bool(self.commitments))
+
+    return Mechanisms(reply=AlteringReply, round_checks=AlteringChecks)
 
 
-def _nullspace_reduce(averaged, *, plan, part_index):
-    """``averaged`` reflected through its public sketch's null space, for part ``part_index`` of
-    the reducer's share (unchanged in a round without commitments)."""
-    if plan.rules.commitments is None:
+def _nullspace_reduce(averaged, *, plan=None, part_index=0, param_index=0, start=0, nonce="", committed=True):
+    """``averaged`` reflected through its public sketch's null space (unchanged in a round without
+    commitments). On hivemind's protocol the part is ``part_index`` of the reducer's share in
+    ``plan``; on dtrain's, it holds the elements ``start ...`` of ``param_index``, under ``nonce``."""
+    if plan is not None:
+        if plan.rules.commitments is None:
+            return averaged
+        param_index, start, _ = plan.layout.parts[plan.share_of(plan.me)[0] + part_index]
+        nonce = plan.rules.claims_nonce
+    elif not committed:
         return averaged
-    param_index, start, _ = plan.layout.parts[plan.share_of(plan.me)[0] + part_index]
-    return nullspace_reduced(averaged, param_index, start, plan.rules.claims_nonce)
+    return nullspace_reduced(averaged, param_index, start, nonce)
 
 
 class NegatingReducer(AdversarialMiner):

@@ -130,6 +130,11 @@ class RoundChecks:
         (dtrain.swarm.averaging.accounts.Account, None when no sender's part went in)."""
         return b""
 
+    def published(self, j: int, averaged: torch.Tensor) -> torch.Tensor:
+        """What we send the other members as our result of part ``j``: the combination itself.
+        (A cheating reducer of the sandbox returns something else; our own copy stays ``averaged``.)"""
+        return averaged
+
     # -- as a receiver
     def read_reply_head(self, reducer: int, head: bytes) -> str:
         """A reason refuses the reducer (the rest of its share becomes zeros)."""
@@ -156,6 +161,9 @@ class ButterflyOutcome:
     failed_reducers: dict[int, str] = field(default_factory=dict)  # member -> why its share kept our values
     unaveraged_parts: set = field(default_factory=set)  # global parts that hold our local values
     refused_reducers: dict[int, str] = field(default_factory=dict)  # member -> why a check refused its results
+    # the refused reducers whose own bytes (its results, accounts, forwarded claims) fail a check
+    # every receiver of them makes alike; not the result check's, which rests on senders' answers too
+    refused_for_bytes: set = field(default_factory=set)
     zeroed_parts: set = field(default_factory=set)  # global parts of refused reducers, zeros here
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -213,6 +221,11 @@ class _Share:
             if future.done():
                 return
             received = averaged if self.codec.name == "none" else self.codec.decode(wire, averaged.numel())
+            published = self.checks.published(j, averaged)
+            if published is not averaged:
+                wire = await loop.run_in_executor(None, self.codec.encode, published)
+                if future.done():
+                    return
             future.set_result((received, wire, self.checks.note(j, self.reducer.accounts.get(j))))
         if all(f.done() for f in self.results):
             self.done.set()
@@ -479,6 +492,7 @@ class ButterflyService:
                     sending.result()
         except _Refused as exc:
             outcome.refused_reducers[k] = str(exc)
+            outcome.refused_for_bytes.add(k)
         except asyncio.TimeoutError:
             outcome.failed_reducers[k] = f"returned no part within {timeout_s:g} s"
         except (TransportError, ConnectionError, ValueError) as exc:

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Collection, Mapping, Optional, Sequence
 
 from dtrain.swarm.butterfly import Membership, MembershipError
 from dtrain.swarm.transport import Transport, TransportError, read_frame, write_frame
@@ -168,15 +168,20 @@ def announcer_order(run_id: str, epoch: int, validators: Sequence[str]) -> list[
     return sorted(set(validators), key=lambda hotkey: (rank(hotkey), hotkey))
 
 
-def reducer_shares(declarations: Sequence[Declaration], num_parts: int) -> tuple[int, ...]:
+def reducer_shares(declarations: Sequence[Declaration], num_parts: int,
+                   benched: Collection[int] = ()) -> tuple[int, ...]:
     """``num_parts`` over the members that reduce, in proportion to what the butterfly's load
     balancing gives their declared bandwidths (dtrain.swarm.load_balance); every member reduces
-    when none offered to."""
+    when none offered to. A ``benched`` member (by index) reduces no share, unless that would
+    leave no reducer: someone must reduce, so a bench of every reducer benches none."""
     from dtrain.swarm.load_balance import part_shares
 
     reduces = [d.reduces for d in declarations]
     if not any(reduces):
         reduces = [True] * len(declarations)
+    kept = [r and i not in benched for i, r in enumerate(reduces)]
+    if any(kept):
+        reduces = kept
     reducers = [i for i, r in enumerate(reduces) if r]
     split = part_shares(num_parts, [declarations[i].bandwidth for i in reducers])
     shares = [0] * len(declarations)
@@ -207,11 +212,14 @@ class Announcer:
 
     async def announce(self, round_id: str, epoch: int, num_parts: int, window_s: float,
                        own: Optional[Declaration] = None,
-                       caps: Optional[Mapping[str, float]] = None) -> SignedMembership:
+                       caps: Optional[Mapping[str, float]] = None,
+                       benched: Collection[str] = ()) -> SignedMembership:
         """Open the window for ``window_s``, then return the signed membership (``own``: the
         announcer's own declaration, a member like any other). ``caps``: the largest weight the
-        membership gives each peer (an unlisted one gets 0: it only receives); None: as declared."""
+        membership gives each peer (an unlisted one gets 0: it only receives); None: as declared.
+        ``benched``: peers that reduce no share (refused as reducers lately; they still send)."""
         loop = asyncio.get_running_loop()
+        benched = set(benched)
         window = _Window(int(epoch), int(num_parts), time.monotonic() + window_s, closed=loop.create_future())
         if own is not None:
             window.declarations[self.transport.peer_id] = own
@@ -228,7 +236,8 @@ class Announcer:
                    for p, d in zip(members, declared)]
         senders = tuple(i for i, w in enumerate(weights) if w > 0)
         membership = Membership(round_id, tuple(members), senders, tuple(weights[i] for i in senders),
-                                reducer_shares(declared, window.num_parts))
+                                reducer_shares(declared, window.num_parts,
+                                               {i for i, p in enumerate(members) if p in benched}))
         signed = await loop.run_in_executor(None, sign, membership, epoch, [d.gather for d in declared], self.wallet)
         window.closed.set_result(signed)
         loop.call_later(60.0, self._windows.pop, round_id, None)

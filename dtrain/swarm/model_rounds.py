@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from dtrain.swarm.averaging.contribution import PartLayout
+from dtrain.swarm.averaging.group_rules import BENCH_ROUNDS, BenchList
 from dtrain.swarm.averaging.kept import SentContribution
 from dtrain.swarm.codecs import part_codec
 from dtrain.swarm.commitments import CommittedChecks, commit
@@ -47,14 +48,17 @@ class ModelRounds:
     ``templates`` fix the order, shapes and dtypes of the averaged tensors; ``report_type`` is
     the mode's work report class; ``compression`` the wire codec's setting; ``robust``: the
     reducers' rule is CenteredClip; ``kept_dir``: where what we sent is kept (None: memory);
-    ``log_path``: a JSON-lines log of every round's record.
+    ``log_path``: a JSON-lines log of every round's record; ``checks_type``: the class of each
+    round's checks (a CommittedChecks; the sandbox's cheating reducers give their own).
     """
 
     def __init__(self, rounds: Rounds, templates: Sequence[torch.Tensor], fingerprint: str, *,
                  report_type: Optional[type] = None, mode: str = "gradient", compression: str = "none",
                  robust: bool = True, settings: RoundSettings = RoundSettings(), kept_dir: Optional[str] = None,
-                 log_path: Optional[str] = None, part_values: Optional[int] = None):
+                 log_path: Optional[str] = None, part_values: Optional[int] = None,
+                 checks_type: type = CommittedChecks):
         self.rounds, self.fingerprint, self.mode = rounds, str(fingerprint), mode
+        self.checks_type = checks_type
         self.report_type, self.codec, self.kept_dir = report_type, part_codec(compression), kept_dir
         self.settings = RoundSettings(settings.window_s, settings.sender_timeout_s, settings.reducer_timeout_s, robust)
         self._shapes = [(tuple(t.shape), t.numel()) for t in templates]
@@ -67,6 +71,8 @@ class ModelRounds:
         self.last_record: Optional[RoundRecord] = None
         self.last_round: Optional[Round] = None
         self._last_sent = SentRound()  # our last committed round, the one the round audit asks about
+        # reducers our checks refused for what they returned: as announcer, we give them no share
+        self._bench = BenchList()
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros(shape, dtype=torch.float32) for shape, _ in self._shapes]
@@ -114,15 +120,17 @@ class ModelRounds:
     def run_round(self, tensors: Sequence[torch.Tensor], weight: float, *, round_id: str, epoch: int,
                   announcer: Optional[str] = None, work=None, work_nonce: Optional[str] = None, tokens: int = 0,
                   timeout_s: Optional[float] = None, stop: Optional[threading.Event] = None,
-                  caps: Optional[dict] = None) -> RoundRecord:
+                  caps: Optional[dict] = None, benched: Sequence[str] = ()) -> RoundRecord:
         """Average ``tensors`` in place in round ``round_id`` of ``epoch``; this peer's record.
 
         With ``announcer`` (the validator's peer id) this peer declares ``weight`` and joins; without,
         it announces the round and takes part with weight 0 (a validator), giving each peer at
         most its weight in ``caps`` (None: as declared; an unlisted peer gets 0). ``work`` and
         ``work_nonce`` commit the contribution to its work report (a miner's rounds are always
-        committed; a validator passes the nonce alone, to check the others'). The tensors keep their values unless the round is DONE. ``stop`` abandons
-        the wait (the round still ends on its own loop; its result is then not applied)."""
+        committed; a validator passes the nonce alone, to check the others'). The tensors keep their
+        values unless the round is DONE. ``stop`` abandons the wait (the round still ends on its own
+        loop; its result is then not applied). As announcer, the peers in ``benched`` and those our
+        checks refused as reducers within BENCH_ROUNDS of our rounds reduce no share (they still send)."""
         self._check(tensors, weight)
         with self.round_buffers() as buffers:
             for b, t in zip(buffers, tensors):
@@ -135,7 +143,7 @@ class ModelRounds:
             try:
                 if announcer is None:
                     rnd = self.rounds.announce(round_id, epoch, parts, self.codec, self.settings, checks=checks,
-                                               caps=caps)
+                                               caps=caps, benched={*benched, *self._bench.named()})
                 else:
                     rnd = self.rounds.join(announcer, round_id, epoch, parts, self.codec, float(weight),
                                            self.settings, checks=checks, gather=gather, reduces=True)
@@ -146,6 +154,10 @@ class ModelRounds:
                 self._last_sent.end(committed)
             record = record_of(rnd, self.peer_id, self.sizes, checks, fingerprint=self.fingerprint,
                                compression=self.codec.name, mode=self.mode, tokens=tokens)
+            self._bench.tick()
+            if rnd.outcome is not None and rnd.membership is not None:
+                peers = rnd.membership.membership.peers
+                self._bench.name([peers[k] for k in rnd.outcome.refused_reducers], BENCH_ROUNDS)
             if not finished:
                 record.error = ("stopped before the round ended" if stop is not None and stop.is_set() else
                                 "the round did not end in time")
@@ -186,7 +198,7 @@ class ModelRounds:
             self.rounds.kept.keep(round_id, SentContribution.keep(buffers, self.layout, self.codec,
                                                                    directory=self.kept_dir))
             sent = self.rounds.kept.sent(round_id)
-        checks = CommittedChecks(self.layout, self.codec, nonce, self.report_type, own=own, parts=parts,
+        checks = self.checks_type(self.layout, self.codec, nonce, self.report_type, own=own, parts=parts,
                                  robust=self.settings.robust, questions=self.rounds.kept, sent=sent,
                                  question_timeout_s=max(10.0, self.settings.sender_timeout_s))
         return checks, own.gather() if own is not None else b""

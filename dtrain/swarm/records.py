@@ -45,7 +45,8 @@ class PeerResult:
     weight_used: float = 0.0  # after the cap (and 0 if its contribution was rejected)
     reason: str = ""
     # refused on what it published in the gather (its claimed weight, norm or work commitment),
-    # which every member reads alike: its own fault, provable to anyone in the group
+    # or, on dtrain's round, as a reducer for the bytes it returned, which every member reads
+    # alike: its own fault, provable to anyone in the group
     proven: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,7 +113,7 @@ class RoundRecord:
         return next((p for p in self.peers if p.peer_id == peer_id), None)
 
     def proven_at_fault(self) -> set[str]:
-        """The members refused for what they published in the gather (``PeerResult.proven``)."""
+        """The members refused for what they published (``PeerResult.proven``)."""
         return {p.peer_id for p in self.peers if p.proven}
 
     def outcome_of(self, peer_id: str) -> Optional[Outcome]:

@@ -21,7 +21,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 
@@ -96,10 +96,12 @@ class Rounds:
 
     def announce(self, round_id: str, epoch: int, parts: Sequence[torch.Tensor], codec: PartCodec,
                  settings: RoundSettings = RoundSettings(), *, checks: RoundChecks = NO_CHECKS,
-                 gather: bytes = b"", caps: Optional[Mapping[str, float]] = None) -> Round:
+                 gather: bytes = b"", caps: Optional[Mapping[str, float]] = None,
+                 benched: Collection[str] = ()) -> Round:
         """Announce a round and take part in it with weight 0 (a validator receives the result).
         ``caps``: each peer's largest weight, signed into the membership so that every member
-        applies the same (an unlisted peer gets 0); None: every peer's declared weight."""
+        applies the same (an unlisted peer gets 0); None: every peer's declared weight.
+        ``benched``: peers that reduce no share of it."""
         if self.desk is None:
             raise MembershipError("only a node with a hotkey to sign with announces rounds")
         own = Declaration(round_id, epoch, weight=0.0, reduces=False, gather=gather)
@@ -107,7 +109,8 @@ class Rounds:
         rnd.enter(Stage.DECLARING)
 
         async def membership():
-            return await self.desk.announce(round_id, epoch, len(parts), settings.window_s, own=own, caps=caps), ""
+            return await self.desk.announce(round_id, epoch, len(parts), settings.window_s, own=own, caps=caps,
+                                            benched=benched), ""
 
         rnd.future = self.transport.submit(self._run(rnd, membership, parts, codec, settings, checks))
         return rnd
@@ -177,7 +180,8 @@ def record_of(rnd: Round, local_peer: str, sizes: Sequence[int], checks: RoundCh
     A round it sat out or that failed says why in ``error`` and names nobody: it is nobody's
     fault here. Of a round it averaged in, every member has one outcome: FAIL for a sender
     every member leaves out for its gather (``proven``: anyone can check it), one our reducer
-    left out, a reducer our checks refused, accused or that did not deliver; else SUCCESS.
+    left out, a reducer our checks refused (``proven`` when its own bytes failed them: every
+    receiver of them refuses it alike), accused or that did not deliver; else SUCCESS.
     """
     started = rnd.times.get(Stage.DECLARING.value, time.time())
     ended = max(rnd.times.values()) if rnd.times else started
@@ -202,6 +206,7 @@ def record_of(rnd: Round, local_peer: str, sizes: Sequence[int], checks: RoundCh
             verdict, why = Outcome.FAIL, f"left out of our share: {outcome.banned[s]}"
         elif i in outcome.refused_reducers:
             verdict, why = Outcome.FAIL, f"refused as a reducer: {outcome.refused_reducers[i]}"
+            proven = i in outcome.refused_for_bytes
         elif i in accused:
             verdict, why = Outcome.FAIL, f"wronged our part as a reducer: {accused[i]}"
         elif i in outcome.failed_reducers:

@@ -12,6 +12,7 @@ from dtrain.swarm.averaging.butterfly import OurParts
 from dtrain.swarm.averaging.kept import SentContribution
 from dtrain.swarm.averaging.reply import ReducerReply
 from dtrain.swarm.averaging.share import ShareChecks
+from dtrain.swarm.commitments import CommittedChecks
 
 
 @dataclass(frozen=True)
@@ -20,3 +21,4 @@ class Mechanisms:
     share: type = ShareChecks  # our share, as its reducer (share.py)
     reply: type = ReducerReply  # the reducer's reply, both ways (reply.py)
     kept: type = SentContribution  # what we sent, and the members' questions about it (kept.py)
+    round_checks: type = CommittedChecks  # a round's checks on dtrain's own protocol (commitments.py)
