@@ -87,7 +87,7 @@ def reducer_cheats(tmp_path_factory):
     return json.loads(result.stdout)
 
 
-def test_cheating_reducers_are_caught_benched_and_unpaid(reducer_cheats):
+def test_cheating_reducers_are_caught_re_reduced_benched_and_unpaid(reducer_cheats):
     doc = reducer_cheats
     honest = [m for m in doc["miners"] if m["kind"] == "honest"]
     cheats = {m["kind"]: m for m in doc["miners"] if m["kind"] != "honest"}
@@ -100,9 +100,39 @@ def test_cheating_reducers_are_caught_benched_and_unpaid(reducer_cheats):
         assert all(r["outcomes"].get(uid) != "FAIL" or "probation" in r["notes"].get(uid, "") for r in later)
         assert all(cheats[kind]["uid"] not in r["averaged"] for r in doc["rounds"])
         assert cheats[kind]["weight"] <= 0.25 * min(m["weight"] for m in honest), (kind, cheats[kind], honest)
-    # the round they cheated in has their shares zeroed; after it they reduce nothing (benched)
-    assert first["fraction_averaged"] < 1.0
-    assert all(r["fraction_averaged"] == 1.0 for r in later), [r["fraction_averaged"] for r in later]
+    # in the round they cheated in every receiver re-reduces their shares from the senders' bytes;
+    # after it they reduce nothing (benched): the whole vector is averaged every round
+    assert all(r["fraction_averaged"] == 1.0 for r in doc["rounds"]), [r["fraction_averaged"] for r in doc["rounds"]]
     for m in honest:
         assert not m["gated"] and m["weight"] > 0, m
         assert all(m["uid"] in r["averaged"] for r in doc["rounds"]), doc["rounds"]
+
+
+@pytest.fixture(scope="module")
+def two_validators(tmp_path_factory):
+    root = tmp_path_factory.mktemp("announced-validators") / "box"
+    result = run_dtrain("sandbox", "--protocol", "dtrain", "--miners", str(MINERS), "--validators", "2",
+                        "--rounds", "3", "--dir", str(root), "--json", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, json.loads(result.stdout)
+
+
+def test_two_validators_average_every_round_in_one_announced_group(two_validators):
+    """The first validator of each epoch's announcer_order announces; the other declares in that
+    round with weight 0 (docs/protocol.md, "Several validators on dtrain's round"): one group per
+    round holds both validators and every miner, and both score from it."""
+    root, doc = two_validators
+    uids = {m["uid"] for m in doc["miners"]}
+    assert len(uids) == MINERS
+    for v in doc["validators"]:
+        assert v["round_counter"] == 3 and v["statuses"] == ["success"] * 3, v
+    logs = {name: [r for r in _round_logs(root, name) if not r["error"]] for name in ("validator1", "validator2")}
+    ids = {name: [r["round_id"] for r in rounds] for name, rounds in logs.items()}
+    assert ids["validator1"] == ids["validator2"] and len(ids["validator1"]) == 3, ids
+    for r1, r2 in zip(logs["validator1"], logs["validator2"]):
+        assert r1["group"] == r2["group"] and len(r1["group"]) == MINERS + 2, (r1["group"], r2["group"])
+    for r in doc["rounds"]:
+        assert set(r["averaged"]) == uids and r["fraction_averaged"] == 1.0, r
+    for m in doc["miners"]:
+        assert not m["gated"] and all(w > 0 for w in m["weights_by_validator"].values()), m
+    assert doc["validator_spread"] <= 0.05, doc["validator_spread"]

@@ -128,7 +128,9 @@ def test_with_the_8bit_wire_the_claims_are_of_what_arrives_and_nobody_is_refused
 
 def test_a_sender_that_sends_other_bytes_than_it_committed_is_left_out_and_its_own_share_refused(rounds):
     # miner 2 commits to its gradient and sends three times it
-    done, checks, honest, sent, received = run_round(rounds, sent=lambda h: [*h[:2], [3 * t for t in h[2]]])
+    # (copies: what is sent is averaged in place, and ``honest`` must stay what was committed)
+    done, checks, honest, sent, received = run_round(
+        rounds, sent=lambda h: [[t.clone() for t in h[0]], [t.clone() for t in h[1]], [3 * t for t in h[2]]])
     validator, *miners = done
     cheat, nodes = 2, rounds[0]
     cheat_member, cheat_sender = member_of(validator, nodes[cheat + 1]), sender_of(validator, nodes[cheat + 1])
@@ -142,17 +144,17 @@ def test_a_sender_that_sends_other_bytes_than_it_committed_is_left_out_and_its_o
         record = record_of(rnd, node.transport.peer_id, layout_sizes(honest), c)
         assert record.outcome_of(nodes[cheat + 1].transport.peer_id) == Outcome.FAIL
         assert {p.outcome for p in record.peers if p.peer_id != nodes[cheat + 1].transport.peer_id} == {Outcome.SUCCESS}
-        assert record.in_step and 0 < record.fraction_refused < 1
-    # every honest receiver holds the honest miners' mean outside the cheat's share, zeros inside
+        # its share, refused, is re-reduced by every receiver from the senders' bytes
+        assert record.in_step and record.fraction_refused == 0 and 0 < record.fraction_recovered < 1
+    # every honest receiver holds the honest miners' mean outside the cheat's share; inside it, the
+    # re-reduction of all three committed contributions (the cheat answers with its committed bytes)
     layout = PartLayout.of_values(honest[0], VALUES_PER_PART)
     first, end = validator.membership.membership.share_of(cheat_member)
-    mean = weighted_mean(honest[:2], [float(s) for s in SAMPLES[:2]])
+    mean = layout.views(weighted_mean(honest[:2], [float(s) for s in SAMPLES[:2]]))
+    mean_all = layout.views(weighted_mean(honest, [float(s) for s in SAMPLES]))
     for holder in (received, sent[0], sent[1]):
-        for g, (got, want) in enumerate(zip(layout.views(holder), layout.views(mean))):
-            if first <= g < end:
-                assert torch.equal(got, torch.zeros_like(got))
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for g, got in enumerate(layout.views(holder)):
+            torch.testing.assert_close(got, mean_all[g] if first <= g < end else mean[g], rtol=1e-5, atol=1e-6)
 
 
 def test_a_weight_above_the_committed_samples_is_refused_by_every_member_alike(rounds):
@@ -291,10 +293,14 @@ def test_the_result_check_refuses_a_reducer_whose_results_hide_a_change_from_the
         # no public check saw it: it is the result check that refused it, on every other receiver
         assert rnd.outcome.refused_reducers.get(cheat_member, "").startswith("returned a part that does not add up")
         assert {f.reducer for f in c.evidence.result_check.failed.values()} == {rounds[0][cheat + 1].transport.peer_id}
+        # and re-reduced it from the senders' committed bytes: the round loses nothing
         first, end = validator.membership.membership.share_of(cheat_member)
         layout = PartLayout.of_values(honest[0], VALUES_PER_PART)
-        holder = received if m == 0 else sent[m - 1]
-        assert all(torch.equal(v, torch.zeros_like(v)) for v in layout.views(holder)[first:end])
+        holder = layout.views(received if m == 0 else sent[m - 1])
+        mean = layout.views(weighted_mean(honest, [float(s) for s in SAMPLES]))
+        assert rnd.outcome.recovered_parts == set(range(first, end)) and not rnd.outcome.zeroed_parts
+        for g in range(first, end):
+            torch.testing.assert_close(holder[g], mean[g], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["negating-reducer", "scaling-reducer", "nullspace-reducer"])
@@ -302,7 +308,8 @@ def test_the_sandboxs_cheating_reducers_are_refused_by_every_other_receiver(roun
     """The sandbox's reducer cheats (dtrain/sandbox/adversary.py) on dtrain's round: each returns
     an altered result with the true account and keeps the true combination for itself. The public
     check of the account refuses a negated or rescaled result; the null-space one passes it and
-    the result check refuses it. Every other receiver holds zeros for the cheat's share."""
+    the result check refuses it. Every other receiver then re-reduces the cheat's share from the
+    senders' committed bytes: every member holds the weighted mean of the whole vector."""
     from dtrain.sandbox.adversary import MINERS
 
     cheat = 1
@@ -323,9 +330,8 @@ def test_the_sandboxs_cheating_reducers_are_refused_by_every_other_receiver(roun
             continue
         assert refused_for in rnd.outcome.refused_reducers.get(cheat_member, ""), (kind, rnd.outcome.refused_reducers)
         assert set(rnd.outcome.refused_reducers) == {cheat_member}
-        assert all(torch.equal(holder[g], torch.zeros_like(holder[g])) for g in range(first, end))
-        # every other share is the weighted mean of what was committed
-        assert all(torch.allclose(holder[g], mean[g], atol=1e-5) for g in range(len(holder)) if not first <= g < end)
+        assert rnd.outcome.recovered_parts == set(range(first, end)) and not rnd.outcome.zeroed_parts
+        assert all(torch.allclose(holder[g], mean[g], atol=1e-5) for g in range(len(holder)))
     # FAIL in the validator's record; proven when its own bytes fail the public checks (every
     # receiver of them refuses it alike), not on the result check (it rests on senders' answers)
     record = record_of(validator, rounds[0][0].transport.peer_id, layout_sizes(honest), checks[0])

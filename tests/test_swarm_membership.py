@@ -169,3 +169,42 @@ def test_balanced_fractions_finish_every_reducer_together_and_match_the_program(
     lp = optimize_parts_highs(100, b)
     lp = lp / lp.sum()
     assert max(times.max(), (1 / b).max()) <= max(((1 + (n - 2) * lp) / b).max(), (1 / b).max()) + 1e-6
+
+
+def test_a_validator_behind_the_first_joins_the_round_announced_at_its_epoch_or_announces_itself():
+    import threading
+    import time
+
+    from dtrain.neurons.validation_round import round_to_join
+    from dtrain.swarm.round_notices import RoundNotice
+
+    validators = [f"5Validator{i}" for i in range(3)]
+    first, second, third = announcer_order("run", 7, validators)
+    stop = threading.Event()
+
+    def ask(hotkey, notices, wait_s=0.05):
+        return round_to_join(lambda: notices, validators=validators, own_hotkey=hotkey, own_peer="me", run_id="run",
+                             epoch=7, stop=stop, wait_s=wait_s)
+
+    theirs = RoundNotice("peer-of-first", 7, "run-7-3")
+    noise = [RoundNotice("me", 7, "run-7-9"), RoundNotice("peer-of-first", 6, "run-6-2")]  # ours; another epoch
+    assert ask(first, [theirs]) is None  # the first announces, whatever it reads
+    assert ask(second, noise + [theirs]) == theirs
+    assert ask(third, [theirs]) == theirs
+    assert ask("5NotAValidator", [theirs]) is None
+    # nobody ahead announced: the one k places behind announces itself after k waits
+    for hotkey, places in ((second, 1), (third, 2)):
+        started = time.monotonic()
+        assert ask(hotkey, noise, wait_s=0.3) is None
+        assert 0.3 * places - 0.05 <= time.monotonic() - started < 0.3 * places + 1.0
+    # a notice that comes while it waits is taken; a DHT that fails is looked at again
+    reads = iter([RuntimeError("dht down"), [], [theirs]])
+
+    def read():
+        item = next(reads)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    assert round_to_join(read, validators=validators, own_hotkey=third, own_peer="me", run_id="run", epoch=7,
+                         stop=stop, wait_s=5.0) == theirs

@@ -253,11 +253,12 @@ def _verify_one(p: Probe, bench, cfg, challenge: Challenge) -> None:
 def allreduce_request(probes: list[Probe], *, run_id: str, epoch: int, round_no: int, digest: str,
                       weight_cap: float, deadline_s: float, probation: dict[str, int],
                       refused: tuple = (), unchecked: dict | None = None,
-                   announcer: str | None = None) -> AllReduceRequest:
+                      announcer: str | None = None, round_id: str | None = None) -> AllReduceRequest:
     """The AllReduce query, with each miner's weight cap: what we verified (round_rules.may_contribute)
     for the checked ones; the full cap for every other miner (``unchecked``: peer id -> hotkey),
     bound by its commitment like theirs, unless it is on probation; and the peers our round
-    audits caught lately (``refused``: the miners vote to bench them)."""
+    audits caught lately (``refused``: the miners vote to bench them). ``round_id``: another
+    validator's round we join (None: ours, named by run, epoch and round number)."""
     from dtrain.validation.verification import on_probation, weight_caps
 
     allowed = {peer: not on_probation(probation, hotkey, round_no) for peer, hotkey in (unchecked or {}).items()}
@@ -265,7 +266,7 @@ def allreduce_request(probes: list[Probe], *, run_id: str, epoch: int, round_no:
                                                           probation=probation, hotkey=p.hotkey, round_no=round_no)
                     for p in probes})
     caps = weight_caps(allowed, weight_cap)
-    return AllReduceRequest(round_id=f"{run_id}-{epoch}-{round_no}", epoch=epoch, weight_cap=weight_cap,
+    return AllReduceRequest(round_id=round_id or f"{run_id}-{epoch}-{round_no}", epoch=epoch, weight_cap=weight_cap,
                             deadline_s=deadline_s, weight_caps=caps, params_digest=digest,
                             refused=tuple(refused)[:64] or None, announcer=announcer)
 
@@ -307,30 +308,73 @@ def allreduce(client, swarm, probes: list[Probe], request: AllReduceRequest, *, 
 
 
 def announced_allreduce(client, model_rounds, probes: list[Probe], request: AllReduceRequest, *, announce,
-                        work_nonce: str, stop):
+                        work_nonce: str, stop, joining: bool = False):
     """The round on dtrain's own protocol: open its declaration window (the round runs on the
     transport's loop), then ask the checked miners and store the notice every other miner joins
     from; every member averages with the membership we sign when the window closes, each at most
     its cap in the query (the caps are signed into it, so every member applies the same), and the
     peers our round audits caught lately (the query's ``refused``) reduce no share. Our weight-0
-    part is zeros. Returns the round's record and the averaged tensors, not applied yet."""
+    part is zeros. ``joining``: the query names another validator's round (``round_to_join``),
+    which we declare in with weight 0 and no share, as our checked miners do; no notice of ours.
+    Returns the round's record and the averaged tensors, not applied yet."""
     holder: dict = {}
 
     def run() -> None:
         holder["tensors"] = model_rounds.into_buffers(lambda out: [b.zero_() for b in out])
-        holder["record"] = model_rounds.run_round(holder["tensors"], 0.0, round_id=request.round_id,
-                                                  epoch=request.epoch, work_nonce=work_nonce, stop=stop,
-                                                  caps=request.weight_caps, benched=request.refused or ())
+        if joining:
+            holder["record"] = model_rounds.run_round(holder["tensors"], 0.0, round_id=request.round_id,
+                                                      epoch=request.epoch, announcer=request.announcer,
+                                                      work_nonce=work_nonce, stop=stop, reduces=False)
+        else:
+            holder["record"] = model_rounds.run_round(holder["tensors"], 0.0, round_id=request.round_id,
+                                                      epoch=request.epoch, work_nonce=work_nonce, stop=stop,
+                                                      caps=request.weight_caps, benched=request.refused or ())
 
     with ThreadPoolExecutor(max_workers=min(16, len(probes)) + 2) as pool:
         ours = pool.submit(run)
         # a declaration that arrives an instant before the window opens waits for it (membership.EARLY_DECLARATION_S)
         futures = [pool.submit(_ask_allreduce, client, p, request) for p in probes]
-        pool.submit(announce)
+        if not joining:
+            pool.submit(announce)
         ours.result()
         for f in futures:
             f.result()
     return holder["record"], holder["tensors"]
+
+
+# How long a validator that is not first in the epoch's announcer_order waits, per place behind
+# the first, for the round notice of one ahead of it before it announces a round itself.
+ANNOUNCER_WAIT_S = 1.5
+NOTICE_POLL_S = 0.2
+
+
+def round_to_join(read_notices, *, validators: list[str], own_hotkey: str, own_peer: str, run_id: str,
+                  epoch: int, stop, wait_s: float = ANNOUNCER_WAIT_S):
+    """The round notice of another validator's round at ``epoch`` to join instead of announcing
+    our own (docs/protocol.md, "Several validators on dtrain's round"), or None: announce.
+
+    Every validator computes the same ``announcer_order`` for the epoch from the chain's
+    validators (hotkeys). The first announces at once; the one k places behind it waits up to
+    k x ``wait_s`` for a notice at the epoch, so one round serves them all, and announces itself
+    only when none came (those ahead are down). ``read_notices()``: the notices on the DHT now.
+    A notice is untrusted: a forged one costs this validator the round (the membership it gets
+    is not signed by a validator), never a miner's score."""
+    from dtrain.swarm.membership import announcer_order
+
+    order = announcer_order(run_id, epoch, validators)
+    if own_hotkey not in order or order[0] == own_hotkey:
+        return None
+    deadline = time.monotonic() + wait_s * order.index(own_hotkey)
+    while True:
+        try:
+            notices = read_notices()
+        except Exception:  # noqa: BLE001 - the DHT is best effort: look again, then announce
+            notices = []
+        found = [n for n in notices if n.epoch == epoch and n.announcer != own_peer]
+        if found:
+            return min(found, key=lambda n: (n.round_id, n.announcer))
+        if time.monotonic() >= deadline or stop.wait(NOTICE_POLL_S):
+            return None
 
 
 def _ask_allreduce(client, p: Probe, request: AllReduceRequest) -> None:

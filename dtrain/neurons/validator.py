@@ -210,7 +210,8 @@ class Validator(NeuronBase):
 
         # The all-reduce, joined with weight 0; unscored if another validator's round ran first.
         round_epoch = self.epoch
-        record, averaged = self._allreduce(probes, round_no, commitments)
+        record, averaged = self._allreduce(probes, round_no, commitments,
+                                           validators=[n.hotkey for n in neurons if n.validator_permit])
         if self._overtaken(round_no, probes, record):
             return False  # not a check: these miners stay first in line for the rerun
         self._checks.scored(targets, round_no)
@@ -309,9 +310,12 @@ class Validator(NeuronBase):
             if self._catch_up(CatchUpTarget(epoch=self.epoch)):
                 self._save_checkpoint(uid=0)
 
-    def _allreduce(self, probes: list[Probe], round_no: int, commitments: dict):
+    def _allreduce(self, probes: list[Probe], round_no: int, commitments: dict, validators: list[str]):
         """Run the round with weight 0 at the slot's all-reduce time; return its record and the
-        averaged tensors (not applied yet)."""
+        averaged tensors (not applied yet). On dtrain's protocol the round is the one announced by
+        the first of ``validators`` (hotkeys) in the epoch's order that is up: ours, or another's
+        we join (validation_round.round_to_join)."""
+        from dtrain.swarm.round_notices import RoundNotices
         from dtrain.training.work import work_nonce
 
         # Every validator starts its all-reduce at the same point of the slot, however long its
@@ -319,12 +323,20 @@ class Validator(NeuronBase):
         self.tel.update(state=f"round {round_no}: waiting for the all-reduce")
         self.stop.wait(max(0.0, allreduce_start(self._slot_start, self.cfg.validator.round_interval_s) - time.time()))
         self.tel.update(state=f"round {round_no}: all-reduce")
+        joined = None
+        if self.model_rounds is not None:
+            notices = RoundNotices(self.node.dht, f"dtrain-{self.cfg.model.run_id}")
+            joined = phases.round_to_join(notices.current, validators=validators, own_hotkey=self.hotkey,
+                                          own_peer=self.node.peer_id, run_id=self.bench.run_id, epoch=self.epoch,
+                                          stop=self.stop)
+        announcer = (joined.announcer if joined is not None else self.node.peer_id) if self.model_rounds else None
         request = phases.allreduce_request(probes, run_id=self.bench.run_id, epoch=self.epoch, round_no=round_no,
                                            digest=self._digest, weight_cap=self.bench.mode.weight_cap,
                                            deadline_s=round_deadline_s(self.cfg.allreduce),
                                            probation=self.state.probation, refused=tuple(self._audit_refused.named()),
                                            unchecked={c.peer_id: hotkey for hotkey, c in commitments.items()},
-                                           announcer=self.node.peer_id if self.model_rounds is not None else None)
+                                           announcer=announcer,
+                                           round_id=joined.round_id if joined is not None else None)
         self.tel.round_started({"round_id": request.round_id, "epoch": self.epoch, "miners": len(probes)})
         # Every miner at our epoch joins, checked or not: the group waits for all that its progress
         # on the DHT shows there, and for the miners our last round averaged (they stepped with us).
@@ -337,7 +349,7 @@ class Validator(NeuronBase):
             record, averaged = phases.announced_allreduce(self.client, self.model_rounds, probes, request,
                                                           announce=lambda: self._announce(request),
                                                           work_nonce=work_nonce(self.bench.run_id, self.epoch),
-                                                          stop=self.stop)
+                                                          stop=self.stop, joining=joined is not None)
         else:
             record, averaged = phases.allreduce(self.client, self.swarm, probes, request, zeros=self.zeros,
                                                 expected=sorted(expected),

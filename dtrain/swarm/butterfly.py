@@ -165,6 +165,7 @@ class ButterflyOutcome:
     # every receiver of them makes alike; not the result check's, which rests on senders' answers too
     refused_for_bytes: set = field(default_factory=set)
     zeroed_parts: set = field(default_factory=set)  # global parts of refused reducers, zeros here
+    recovered_parts: set = field(default_factory=set)  # of those, the ones re-reduced from the senders' bytes
     bytes_sent: int = 0
     bytes_received: int = 0
     duration_s: float = 0.0

@@ -245,12 +245,22 @@ class CommittedChecks(RoundChecks):
             return 0.0
         return float(np.linalg.norm(shown[sender][0][g - self._first_of[k]].astype(np.float64)))
 
+    def reducer_of(self, g: int) -> int:
+        """The member that reduces global part ``g``."""
+        return self._reducer_of[g]
+
+    def forwarded(self, reducer: int) -> Optional[list]:
+        """Per sender, the (claims, digests) of ``reducer``'s share that it forwarded and we verified
+        against the senders' roots (None for a sender it showed none of); None when it forwarded none."""
+        return self._forwarded.get(reducer)
+
     async def after_butterfly(self, parts, outcome) -> None:
         if self.questions is None or not self.commitments:
             return
-        from dtrain.swarm.result_checking import check_results
+        from dtrain.swarm.result_checking import check_results, re_reduce
 
         await check_results(self, parts, outcome, self.questions, self.sent, self.question_timeout_s)
+        await re_reduce(self, parts, outcome, self.questions, self.sent, self.question_timeout_s)
 
     def check(self, reducer: int, j: int, part: torch.Tensor, note: bytes) -> str:
         if not self.commitments:

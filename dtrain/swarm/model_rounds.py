@@ -120,7 +120,7 @@ class ModelRounds:
     def run_round(self, tensors: Sequence[torch.Tensor], weight: float, *, round_id: str, epoch: int,
                   announcer: Optional[str] = None, work=None, work_nonce: Optional[str] = None, tokens: int = 0,
                   timeout_s: Optional[float] = None, stop: Optional[threading.Event] = None,
-                  caps: Optional[dict] = None, benched: Sequence[str] = ()) -> RoundRecord:
+                  caps: Optional[dict] = None, benched: Sequence[str] = (), reduces: bool = True) -> RoundRecord:
         """Average ``tensors`` in place in round ``round_id`` of ``epoch``; this peer's record.
 
         With ``announcer`` (the validator's peer id) this peer declares ``weight`` and joins; without,
@@ -130,7 +130,8 @@ class ModelRounds:
         committed; a validator passes the nonce alone, to check the others'). The tensors keep their
         values unless the round is DONE. ``stop`` abandons the wait (the round still ends on its own
         loop; its result is then not applied). As announcer, the peers in ``benched`` and those our
-        checks refused as reducers within BENCH_ROUNDS of our rounds reduce no share (they still send)."""
+        checks refused as reducers within BENCH_ROUNDS of our rounds reduce no share (they still send).
+        ``reduces``: whether we take a share when we join (a validator joining another's round does not)."""
         self._check(tensors, weight)
         with self.round_buffers() as buffers:
             for b, t in zip(buffers, tensors):
@@ -146,7 +147,7 @@ class ModelRounds:
                                                caps=caps, benched={*benched, *self._bench.named()})
                 else:
                     rnd = self.rounds.join(announcer, round_id, epoch, parts, self.codec, float(weight),
-                                           self.settings, checks=checks, gather=gather, reduces=True)
+                                           self.settings, checks=checks, gather=gather, reduces=reduces)
                 self.last_round = rnd
                 finished = self._wait(rnd, timeout_s, stop)
                 committed = round_id if work is not None and finished and rnd.stage == Stage.DONE else None

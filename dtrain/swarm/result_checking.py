@@ -11,6 +11,9 @@ states of those sketches fails (``judge``, which sets aside a sender whose answe
 several reducers fail), and a failing reducer's applied parts become zeros on this receiver and
 it is refused. What the check saw goes into the round's evidence for the validators' round
 audit, which settles it with the committed bytes (averaging.audit).
+
+Then :func:`re_reduce`: every receiver reduces a refused reducer's zeroed parts itself, from the
+senders' committed bytes, so that a cheating reducer costs the round nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from dtrain.sketch import WORK_SKETCH_K, range_sketch
-from dtrain.swarm.averaging.kept import SentContribution, ask_sketches
+from dtrain.swarm.averaging.kept import MAX_ANSWER_BYTES, SentContribution, ask_sketches, fetch_wires
 from dtrain.swarm.averaging.result_check import REASON, FailedPart, ResultCheck, judge, result_nonce, result_seed
 from dtrain.swarm.butterfly import ButterflyOutcome
 
@@ -104,3 +107,87 @@ def _sketches(layout, parts: Sequence[torch.Tensor], wanted: Sequence[int], nonc
         i, start, _ = layout.parts[g]
         out[g] = range_sketch(parts[g], i, start, nonce, k=WORK_SKETCH_K).numpy()
     return out
+
+
+async def re_reduce(checks, parts: Sequence[torch.Tensor], outcome: ButterflyOutcome, questions,
+                    sent: Optional[SentContribution], timeout_s: float) -> int:
+    """Reduce every refused reducer's zeroed parts (``outcome.zeroed_parts``) ourselves, from the
+    senders' wire bytes, and write them into ``parts``; the number of parts recovered.
+
+    Each weighted sender is asked once for its bytes of those parts (``questions``: how members
+    are asked; ``sent``: what we sent, for our own). A sender's bytes go in when they have the
+    digest and meet the claim it committed for the part (as the reducer's forwarded proofs, which
+    every receiver verified against its signed root, state them): a sender whose bytes miss the
+    claim is left out, as the reducer should have left it; bytes of another digest, or a weighted
+    sender that does not answer, leave the part at zeros (fewer senders would give another
+    receiver other values). The rule and weights are the round's, in sender order, so every
+    honest receiver of the same bytes holds the same values."""
+    zeroed: dict[int, list[int]] = {}
+    for g in sorted(outcome.zeroed_parts):
+        zeroed.setdefault(checks.reducer_of(g), []).append(g)
+    needed = [s for s, w in enumerate(checks.weights) if w > 0]
+    if not zeroed or not needed or questions is None:
+        return 0
+    loop = asyncio.get_running_loop()
+    round_key = checks.membership.round_id.encode()
+    largest = max(length for _, _, length in checks.layout.parts)
+    per_question = max(1, MAX_ANSWER_BYTES // max(1, 4 * largest))
+    recovered = 0
+    for k, wanted in sorted(zeroed.items()):
+        proofs = checks.forwarded(k)
+        if proofs is None:
+            continue  # its forwarded claims did not prove out: nothing to check the bytes by
+
+        async def bytes_of(s: int) -> dict[int, bytes]:
+            if s == checks.my_sender:
+                return {} if sent is None else dict(zip(wanted, await sent.wires(wanted)))
+            return await fetch_wires(questions, checks.evidence.senders[s], round_key, wanted, per_question,
+                                     timeout_s)
+
+        fetched = dict(zip(needed, await asyncio.gather(*(bytes_of(s) for s in needed))))
+        first = checks.membership.share_of(k)[0]
+        for g in wanted:
+            wires = {s: fetched[s].get(g) for s in needed}
+            if any(w is None for w in wires.values()):
+                continue
+            values = await loop.run_in_executor(None, _combined, checks, proofs, g, g - first, wires)
+            if values is not None:
+                parts[g].copy_(values)
+                outcome.zeroed_parts.discard(g)
+                outcome.recovered_parts.add(g)
+                recovered += 1
+        logger.info("round %s: re-reduced %d of %d refused parts of reducer #%d", checks.membership.round_id,
+                    sum(g in outcome.recovered_parts for g in wanted), len(wanted), k)
+    return recovered
+
+
+def _combined(checks, proofs, g: int, j: int, wires: dict[int, bytes]) -> Optional[torch.Tensor]:
+    """Part ``g`` (``j`` of its reducer's share) from its senders' ``wires``, under the round's
+    rule; None when a sender's bytes are not the ones it committed, or none meets its claim."""
+    from dtrain.swarm.averaging.centered_clip import clip_account
+    from dtrain.swarm.averaging.claims_tree import part_digest
+    from dtrain.swarm.averaging.contribution import part_matches_claim
+
+    i, start, length = checks.layout.parts[g]
+    taken, weights = [], []
+    for s in sorted(wires):
+        proof = proofs[s]
+        if proof is None:
+            return None  # the reducer showed no proof of this weighted sender: nothing to hold its bytes to
+        claims, digests = proof
+        if part_digest(wires[s]) != bytes(digests[j]):
+            return None
+        try:
+            x = checks.codec.decode(wires[s], length)
+        except ValueError:
+            return None
+        if not bool(torch.isfinite(x).all()) or not part_matches_claim(x, claims[j], i, start, checks.nonce):
+            continue  # what the reducer should have left out
+        taken.append(x.float())
+        weights.append(float(checks.weights[s]))
+    if not taken:
+        return None
+    if checks.robust:
+        return clip_account(taken, weights)[0]
+    w = torch.tensor(weights, dtype=torch.float64)
+    return (torch.stack([t.double() for t in taken]) * w[:, None]).sum(0).div_(w.sum()).float()

@@ -221,6 +221,7 @@ def record_of(rnd: Round, local_peer: str, sizes: Sequence[int], checks: RoundCh
     unaveraged = sum(sizes[g] for g in outcome.unaveraged_parts | outcome.zeroed_parts)
     record.fraction_averaged = 1.0 - unaveraged / total
     record.fraction_refused = sum(sizes[g] for g in outcome.zeroed_parts) / total
+    record.fraction_recovered = sum(sizes[g] for g in outcome.recovered_parts) / total
     record.total_weight = float(sum(p.weight_used for p in record.peers))
     record.bytes_sent, record.bytes_received = outcome.bytes_sent, outcome.bytes_received
     record.allreduce_s = outcome.duration_s
