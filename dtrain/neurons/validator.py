@@ -323,13 +323,13 @@ class Validator(NeuronBase):
         self.tel.update(state=f"round {round_no}: waiting for the all-reduce")
         self.stop.wait(max(0.0, allreduce_start(self._slot_start, self.cfg.validator.round_interval_s) - time.time()))
         self.tel.update(state=f"round {round_no}: all-reduce")
-        joined = None
+        joined, announcer = None, None
         if self.model_rounds is not None:
             notices = RoundNotices(self.node.dht, f"dtrain-{self.cfg.model.run_id}")
             joined = phases.round_to_join(notices.current, validators=validators, own_hotkey=self.hotkey,
                                           own_peer=self.node.peer_id, run_id=self.bench.run_id, epoch=self.epoch,
                                           stop=self.stop)
-        announcer = (joined.announcer if joined is not None else self.node.peer_id) if self.model_rounds else None
+            announcer = joined.announcer if joined is not None else self.node.peer_id
         request = phases.allreduce_request(probes, run_id=self.bench.run_id, epoch=self.epoch, round_no=round_no,
                                            digest=self._digest, weight_cap=self.bench.mode.weight_cap,
                                            deadline_s=round_deadline_s(self.cfg.allreduce),

@@ -305,9 +305,9 @@ class _SandbaggingDiLoCo(DiLoCo):
 
 
 def _altering_reply(alter):
-    """Round mechanisms whose reducer returns ``alter(averaged part)`` to every other member, with
-    the true account (its own copy of its share stays the true combination), on either protocol:
-    hivemind's (the reply) and dtrain's own (the round's checks publish it)."""
+    """Round mechanisms whose reducer returns ``alter(averaged part)`` with the true account, on
+    either protocol: hivemind's (the reply, to every other member; its own copy stays the true
+    combination) and dtrain's own (the round's checks publish it, to every member alike)."""
     from dtrain.swarm.averaging.mechanisms import Mechanisms
     from dtrain.swarm.averaging.reply import ReducerReply
     from dtrain.swarm.commitments import CommittedChecks

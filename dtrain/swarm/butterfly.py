@@ -131,8 +131,8 @@ class RoundChecks:
         return b""
 
     def published(self, j: int, averaged: torch.Tensor) -> torch.Tensor:
-        """What we send the other members as our result of part ``j``: the combination itself.
-        (A cheating reducer of the sandbox returns something else; our own copy stays ``averaged``.)"""
+        """What we publish as our result of part ``j``, to every member and ourselves: the
+        combination itself (the sandbox's cheating reducers return something else)."""
         return averaged
 
     # -- as a receiver
@@ -218,15 +218,11 @@ class _Share:
             future.set_result((None, b"", b""))
         else:
             loop = asyncio.get_running_loop()
-            wire = await loop.run_in_executor(None, self.codec.encode, averaged)
+            published = self.checks.published(j, averaged)
+            wire = await loop.run_in_executor(None, self.codec.encode, published)
             if future.done():
                 return
-            received = averaged if self.codec.name == "none" else self.codec.decode(wire, averaged.numel())
-            published = self.checks.published(j, averaged)
-            if published is not averaged:
-                wire = await loop.run_in_executor(None, self.codec.encode, published)
-                if future.done():
-                    return
+            received = published if self.codec.name == "none" else self.codec.decode(wire, published.numel())
             future.set_result((received, wire, self.checks.note(j, self.reducer.accounts.get(j))))
         if all(f.done() for f in self.results):
             self.done.set()
