@@ -164,7 +164,7 @@ async def re_reduce(checks, parts: Sequence[torch.Tensor], outcome: ButterflyOut
 def _combined(checks, proofs, g: int, j: int, wires: dict[int, bytes]) -> Optional[torch.Tensor]:
     """Part ``g`` (``j`` of its reducer's share) from its senders' ``wires``, under the round's
     rule; None when a sender's bytes are not the ones it committed, or none meets its claim."""
-    from dtrain.swarm.averaging.centered_clip import clip_account
+    from dtrain.swarm.averaging.centered_clip import reduce_by_rule
     from dtrain.swarm.averaging.claims_tree import part_digest
     from dtrain.swarm.averaging.contribution import part_matches_claim
 
@@ -187,7 +187,4 @@ def _combined(checks, proofs, g: int, j: int, wires: dict[int, bytes]) -> Option
         weights.append(float(checks.weights[s]))
     if not taken:
         return None
-    if checks.robust:
-        return clip_account(taken, weights)[0]
-    w = torch.tensor(weights, dtype=torch.float64)
-    return (torch.stack([t.double() for t in taken]) * w[:, None]).sum(0).div_(w.sum()).float()
+    return reduce_by_rule(taken, weights, checks.robust)

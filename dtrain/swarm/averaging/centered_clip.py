@@ -80,6 +80,15 @@ def clip_account(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ite
     return v0.add_(torch.from_numpy(c).float() @ d).reshape(shape), coefficients, tau
 
 
+def reduce_by_rule(parts: Sequence[torch.Tensor], weights: Sequence[float], robust: bool) -> torch.Tensor:
+    """``parts`` combined under a round's rule, as a receiver re-reducing a refused reducer's share
+    does: CenteredClip when ``robust``, else the weighted mean summed in float64, in the given order."""
+    if robust:
+        return clip_account(parts, weights)[0]
+    w = torch.tensor(list(weights), dtype=torch.float64)
+    return (torch.stack([p.double() for p in parts]) * w[:, None]).sum(0).div_(w.sum()).float()
+
+
 def _combine(rows: Sequence[torch.Tensor], coefficients: np.ndarray) -> torch.Tensor:
     out = rows[0] * float(coefficients[0])
     for row, c in zip(rows[1:], coefficients[1:]):

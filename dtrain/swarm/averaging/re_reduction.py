@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dtrain.swarm.averaging.centered_clip import clip_account
+from dtrain.swarm.averaging.centered_clip import reduce_by_rule
 from dtrain.swarm.averaging.claims_tree import part_digest
 from dtrain.swarm.averaging.contribution import part_matches_claim
 from dtrain.swarm.averaging.kept import MAX_ANSWER_BYTES, fetch_wires
@@ -85,7 +85,4 @@ def combine(plan, butterfly, k: int, g: int, wires: dict[int, bytes], weights, r
         used.append(float(weights[i]))
     if not parts:
         return None
-    if robust:
-        return clip_account(parts, used)[0]
-    w = torch.tensor(used, dtype=torch.float64)
-    return (torch.stack([p.double() for p in parts]) * w[:, None]).sum(0).div_(w.sum()).float()
+    return reduce_by_rule(parts, used, robust)
